@@ -1,0 +1,187 @@
+"""`aerie`: the command line. A user error prints one line (`error: ...`) and exits 2; no traceback.
+
+aerie prepare-model smollm2-135m-instruct --out models/smollm2-135m-instruct
+aerie prompts mtbench --out prompts.jsonl [--limit N]
+aerie generate --model DIR [--drafter DIR] --prompts IN.jsonl --out OUT.jsonl [--engine local|vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from orchestrator.errors import AerieError
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    from orchestrator.models.prepare import prepare_model
+
+    out = prepare_model(args.name, args.out)
+    print(f"prepared {args.name} at {out}")
+    return 0
+
+
+def _prompts(args: argparse.Namespace) -> int:
+    from orchestrator.data.prompts import mtbench_first_turns
+
+    if args.name != "mtbench":
+        raise AerieError(f"unknown prompt set {args.name!r} (known: mtbench)")
+    records = mtbench_first_turns(args.limit)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(f"wrote {len(records)} prompts to {args.out}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from orchestrator.data.prompts import encode_prompt, read_prompt_file
+    from orchestrator.engine.sampling import SamplingParams
+    from orchestrator.models.target import read_hf_config
+
+    read_hf_config(args.model)
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise AerieError(f"drafter directory {args.drafter!r} does not exist")
+    items = read_prompt_file(args.prompts)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+
+    from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    good = [item for item in items if item.error is None]
+    prompts = [encode_prompt(tokenizer, item) for item in good]
+    started = time.perf_counter()
+    if not prompts:
+        rows = []
+    elif args.engine == "local":
+        rows = _generate_local(args, tokenizer, eos_token_ids(args.model, tokenizer), prompts, params)
+    else:
+        rows = _generate_vllm(args, prompts, params)
+    elapsed = time.perf_counter() - started
+    by_line = {item.line: row for item, row in zip(good, rows, strict=True)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        for item in items:
+            if item.error is not None:
+                print(f"error: {item.error}", file=sys.stderr)
+                f.write(json.dumps({"line": item.line, "error": item.error}) + "\n")
+                continue
+            row = by_line[item.line]
+            row["text"] = tokenizer.decode(row["token_ids"], skip_special_tokens=True)
+            f.write(json.dumps({"line": item.line, **row}) + "\n")
+    generated = sum(len(r["token_ids"]) for r in rows)
+    rate = generated / max(elapsed, 1e-9)
+    summary = f"{len(rows)} prompts, {generated} tokens in {elapsed:.1f} s ({rate:.1f} tok/s) -> {args.out}"
+    print(summary, file=sys.stderr)
+    bad = len(items) - len(good)
+    if bad:
+        print(f"error: {bad} of {len(items)} prompt lines were unusable (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _generate_local(args, tokenizer, eos_ids, prompts, params) -> list[dict]:
+    from orchestrator.engine.decode import TargetDecoder
+    from orchestrator.models.target import TargetModel
+
+    if args.drafter is not None:
+        raise AerieError(
+            "--engine local with --drafter needs the speculative engine; use --engine vllm for now"
+        )
+    model = TargetModel.from_pretrained(args.model)
+    decoder = TargetDecoder(model, eos_ids, max_batch=args.batch_size)
+    return [
+        {"token_ids": g.token_ids, "num_prompt_tokens": len(g.prompt_ids), "finish_reason": g.finish_reason}
+        for g in decoder.generate(prompts, params)
+    ]
+
+
+def _generate_vllm(args, prompts, params) -> list[dict]:
+    from orchestrator.engine.vllm_backend import VllmGenerator
+
+    engine = VllmGenerator(args.model, args.drafter, num_spec_tokens=args.num_spec_tokens)
+    if args.drafter is None:
+        generations = engine.generate(prompts, params)
+        return [
+            {
+                "token_ids": g.token_ids,
+                "num_prompt_tokens": len(g.prompt_ids),
+                "finish_reason": g.finish_reason,
+            }
+            for g in generations
+        ]
+    rows = []
+    for prompt in prompts:  # one at a time: vLLM's acceptance counters are engine-wide, not per request
+        before = engine.counters()
+        (g,) = engine.generate([prompt], params)
+        spec = engine.counters() - before
+        rows.append(
+            {
+                "token_ids": g.token_ids,
+                "num_prompt_tokens": len(g.prompt_ids),
+                "finish_reason": g.finish_reason,
+                "num_steps": spec.drafts,
+                "acceptance_length": round(spec.acceptance_length, 4),
+            }
+        )
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aerie", description="EAGLE-3 / 3.1 drafters: train, evaluate, serve"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare-model", help="convert a packaged model into a Hugging Face directory")
+    p.add_argument("name", help="packaged model name, e.g. smollm2-135m-instruct")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=_prepare_model)
+
+    p = sub.add_parser("prompts", help="write a built-in prompt set as JSONL")
+    p.add_argument("name", help="prompt set: mtbench (first turns)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.set_defaults(func=_prompts)
+
+    p = sub.add_parser("generate", help="generate completions for a JSONL prompt file")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (the target)")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 / 3.1 drafter directory (vLLM format)")
+    p.add_argument(
+        "--prompts", required=True, help='JSONL: {"messages": [...]} or {"prompt": "..."} per line'
+    )
+    p.add_argument("--out", required=True, help="output JSONL, one line per input line")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--engine", choices=("local", "vllm"), default="local")
+    p.add_argument("--batch-size", type=int, default=8, help="local engine: requests decoded together")
+    p.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
+    p.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except AerieError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValidationError as err:
+        first = err.errors()[0]
+        print(f"error: {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

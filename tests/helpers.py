@@ -1,0 +1,70 @@
+"""Small builders shared by the tests: tiny random targets and drafters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from orchestrator.models.drafter import Drafter, DrafterConfig
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "vocab_size": 96,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_tiny_llama(out: Path, seed: int = 0, **overrides) -> Path:
+    """A random Llama in Hugging Face format (config.json + model.safetensors), written by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA | overrides)))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def random_drafter(
+    target_config: dict,
+    variant: str = "eagle3.1",
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    **flags,
+) -> Drafter:
+    """A drafter with random weights (std 0.02, norm weights near 1) and a random draft vocabulary."""
+    from orchestrator.models.target import default_aux_layer_ids
+
+    gen = torch.Generator().manual_seed(seed)
+    aux = default_aux_layer_ids(target_config["num_hidden_layers"])
+    config = DrafterConfig.for_target(target_config, aux, draft_vocab_size, variant, **flags)
+    drafter = Drafter(config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight") or ".weight" in name and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+        vocab, draft = config.vocab_size, config.draft_vocab_size
+        chosen = torch.randperm(vocab, generator=gen)[:draft].sort().values
+        drafter.d2t.copy_(chosen - torch.arange(draft))
+        drafter.t2d.zero_()
+        drafter.t2d[chosen] = True
+    return drafter
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

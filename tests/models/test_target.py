@@ -1,0 +1,141 @@
+"""TargetModel against transformers' own Llama, and its KV cache against full-sequence forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.errors import AerieError
+from orchestrator.models.target import TargetModel, read_hf_config
+
+
+def _hf_reference(model_dir, seqs):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(s[None], output_hidden_states=True) for s in seqs]
+
+
+def _ragged(vocab: int, lengths, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+
+
+def _forward_all(model: TargetModel, seqs):
+    cache = model.new_cache(len(seqs), 512)
+    num = torch.tensor([len(s) for s in seqs])
+    return model(torch.cat(seqs), cache, torch.arange(len(seqs)), num)
+
+
+def _compare(model, refs, seqs, logit_tol):
+    out = _forward_all(model, seqs)
+    hidden = model.hidden_size
+    offset = 0
+    for seq, ref in zip(seqs, refs, strict=True):
+        n = len(seq)
+        rows = slice(offset, offset + n)
+        assert (out.logits[rows] - ref.logits[0]).abs().max().item() < logit_tol
+        aux = out.aux_hidden[rows].view(n, len(model.aux_layer_ids), hidden)
+        for j, layer_id in enumerate(model.aux_layer_ids):
+            expected = ref.hidden_states[layer_id][0]
+            torch.testing.assert_close(
+                aux[:, j], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
+            )
+        final = ref.hidden_states[-1][0]  # transformers' last entry is after the final norm
+        torch.testing.assert_close(
+            out.final_hidden[rows], final, rtol=1e-5, atol=1e-5 * final.abs().max().item()
+        )
+        offset += n
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tiny_random_llama_matches_transformers(tiny_dir, packed):
+    seqs = _ragged(96, (9, 1, 17, 4))
+    model = TargetModel.from_pretrained(tiny_dir, aux_layer_ids=(0, 2, 5), packed=packed)
+    _compare(model, _hf_reference(tiny_dir, seqs), seqs, logit_tol=1e-4)
+
+
+def test_smollm2_matches_transformers(smollm2_dir, chat_prompts):
+    """Ragged batch of real chat prompts and random tokens; default aux layers (2, 15, 27)."""
+    seqs = [torch.tensor(p) for p in chat_prompts[:3]] + _ragged(49152, (5, 23))
+    refs = _hf_reference(smollm2_dir, seqs)
+    exact = TargetModel.from_pretrained(smollm2_dir, packed=False)
+    assert exact.aux_layer_ids == (2, 15, 27)
+    _compare(exact, refs, seqs, logit_tol=1e-4)
+    # oneDNN-packed weights (the fast default) round differently; SmolLM2's hidden states reach ~2.6e4, so the
+    # logits move by ~1e-4, as much as transformers' sdpa and eager attention differ from each other.
+    _compare(TargetModel.from_pretrained(smollm2_dir), refs, seqs, logit_tol=3e-4)
+
+
+def test_single_sequence_is_bitwise_transformers(smollm2_dir, chat_prompts):
+    seq = torch.tensor(chat_prompts[0])
+    (ref,) = _hf_reference(smollm2_dir, [seq])
+    out = _forward_all(TargetModel.from_pretrained(smollm2_dir, packed=False), [seq])
+    assert torch.equal(out.logits, ref.logits[0])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kv_cache_decoding_equals_full_forward(tiny_dir, packed):
+    model = TargetModel.from_pretrained(tiny_dir, packed=packed)
+    seqs = _ragged(96, (12, 7, 10), seed=3)
+    full = _forward_all(model, seqs)
+    cache = model.new_cache(3, 64)
+    slots = torch.arange(3)
+    prefix = [4, 1, 6]  # prefill a prefix, then one token per step (sequences end at different steps)
+    model(torch.cat([s[:p] for s, p in zip(seqs, prefix)]), cache, slots, torch.tensor(prefix))
+    got = {i: [] for i in range(3)}
+    for step in range(12):
+        live = [i for i in range(3) if prefix[i] + step < len(seqs[i])]
+        if not live:
+            break
+        tokens = torch.stack([seqs[i][prefix[i] + step] for i in live])
+        out = model(tokens, cache, torch.tensor(live), torch.ones(len(live), dtype=torch.long))
+        for row, i in enumerate(live):
+            got[i].append(out.logits[row])
+    offset = 0
+    for i, seq in enumerate(seqs):
+        expected = full.logits[offset + prefix[i] : offset + len(seq)]
+        torch.testing.assert_close(torch.stack(got[i]), expected, rtol=1e-4, atol=1e-4)
+        offset += len(seq)
+
+
+def test_tree_block_then_keep_equals_feeding_only_kept(tiny_dir):
+    """Append a 5-node tree under a tree mask, keep the path 0 -> 2 -> 4, then decode: same as feeding it."""
+    model = TargetModel.from_pretrained(tiny_dir, packed=False)
+    prompt, tree = torch.tensor([5, 9, 13, 21]), torch.tensor([30, 31, 32, 33, 34])
+    parents = [-1, 0, 0, 1, 2]  # node 4 hangs under node 2, which hangs under node 0
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    depth = torch.zeros(5, dtype=torch.long)
+    for node, parent in enumerate(parents):
+        mask[node, node] = True
+        if parent >= 0:
+            mask[node] |= mask[parent]
+            depth[node] = depth[parent] + 1
+    cache = model.new_cache(1, 64)
+    slot, one = torch.tensor([0]), torch.tensor([1])
+    model(prompt, cache, slot, torch.tensor([4]))
+    tree_out = model(tree, cache, slot, torch.tensor([5]), positions=4 + depth, block_mask=mask[None])
+    cache.keep_appended(0, torch.tensor([0, 2, 4]))
+    assert int(cache.lengths[0]) == 7
+    after = model(torch.tensor([40]), cache, slot, one).logits
+
+    ref_cache = model.new_cache(1, 64)
+    path = torch.tensor([30, 32, 34])
+    ref = model(torch.cat([prompt, path]), ref_cache, slot, torch.tensor([7])).logits
+    torch.testing.assert_close(tree_out.logits[[0, 2, 4]], ref[4:], rtol=1e-5, atol=1e-5)
+    ref_after = model(torch.tensor([40]), ref_cache, slot, one).logits
+    torch.testing.assert_close(after, ref_after, rtol=1e-5, atol=1e-5)
+
+
+def test_aux_layer_ids_outside_the_model_are_rejected(tiny_dir):
+    config = read_hf_config(tiny_dir)
+    with pytest.raises(AerieError, match=r"outside this 8-layer model"):
+        TargetModel(config, aux_layer_ids=(2, 8))
+    with pytest.raises(AerieError, match="strictly increasing"):
+        TargetModel(config, aux_layer_ids=(3, 2))
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(AerieError, match="does not exist"):
+        TargetModel.from_pretrained(tmp_path / "nope")

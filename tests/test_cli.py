@@ -1,0 +1,108 @@
+"""`aerie` end to end: greedy generation equals transformers, and user errors are one clean line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from orchestrator.cli import main
+
+
+def _aerie(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and pattern in errors[0], proc.stderr
+
+
+def test_generate_local_greedy_equals_transformers(tmp_path, smollm2_dir, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.data.prompts import mtbench_first_turns
+
+    records = mtbench_first_turns(6)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in records))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(smollm2_dir), "--prompts", str(prompts), "--out", str(out)]
+    assert main([*args, "--max-tokens", "48", "--batch-size", "3"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == list(range(1, 7))
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for record, row in zip(records, rows, strict=True):
+        ids = smollm2_tokenizer.apply_chat_template(
+            record["messages"], add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+        expected = hf.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :].tolist()
+        assert row["token_ids"] == expected
+        assert row["text"] == smollm2_tokenizer.decode(expected, skip_special_tokens=True)
+        assert row["num_prompt_tokens"] == ids.shape[1]
+
+
+def test_bad_jsonl_lines_are_reported_and_the_rest_served(tmp_path, smollm2_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        '{"prompt": "The capital of France is"}\n{not json\n{"messages": []}\n{"prompt": "One, two,"}\n'
+    )
+    out = tmp_path / "out.jsonl"
+    proc = _aerie(
+        "generate",
+        "--model",
+        str(smollm2_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-tokens",
+        "4",
+    )
+    _assert_one_line_error(proc, "p.jsonl:2: not valid JSON")
+    assert "p.jsonl:3: 'messages' must be a non-empty list" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [("error" in r) for r in rows] == [False, True, True, False]
+    assert all(len(r["token_ids"]) == 4 for r in rows if "error" not in r)
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (
+            ["generate", "--model", "/nonexistent/model", "--prompts", "x.jsonl", "--out", "o.jsonl"],
+            "model directory '/nonexistent/model' does not exist",
+        ),
+        (
+            ["prepare-model", "gpt-17", "--out", "/tmp/never"],
+            "unknown model 'gpt-17'; known: smollm2-135m-instruct",
+        ),
+    ],
+    ids=["missing-model", "unknown-model-name"],
+)
+def test_user_errors_are_one_line(args, pattern):
+    _assert_one_line_error(_aerie(*args), pattern)
+
+
+def test_empty_messages_only_file_fails_cleanly(tmp_path, smollm2_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"messages": []}\n')
+    proc = _aerie(
+        "generate", "--model", str(smollm2_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o")
+    )
+    _assert_one_line_error(proc, "p.jsonl:1: 'messages' must be a non-empty list")
+
+
+def test_prepare_model_is_idempotent(smollm2_dir):
+    before = {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()}
+    assert main(["prepare-model", "smollm2-135m-instruct", "--out", str(smollm2_dir)]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()} == before
