@@ -90,9 +90,7 @@ def _generate_local(args, tokenizer, eos_ids, prompts, params) -> list[dict]:
     from orchestrator.models.target import TargetModel
 
     if args.drafter is not None:
-        raise AerieError(
-            "--engine local with --drafter needs the speculative engine; use --engine vllm for now"
-        )
+        raise AerieError("--engine local with --drafter needs the speculative engine; use --engine vllm for now")
     model = TargetModel.from_pretrained(args.model)
     decoder = TargetDecoder(model, eos_ids, max_batch=args.batch_size)
     return [
@@ -133,9 +131,7 @@ def _generate_vllm(args, prompts, params) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="aerie", description="EAGLE-3 / 3.1 drafters: train, evaluate, serve"
-    )
+    parser = argparse.ArgumentParser(prog="aerie", description="EAGLE-3 / 3.1 drafters: train, evaluate, serve")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare-model", help="convert a packaged model into a Hugging Face directory")
@@ -152,9 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate completions for a JSONL prompt file")
     p.add_argument("--model", required=True, help="Hugging Face model directory (the target)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 / 3.1 drafter directory (vLLM format)")
-    p.add_argument(
-        "--prompts", required=True, help='JSONL: {"messages": [...]} or {"prompt": "..."} per line'
-    )
+    p.add_argument("--prompts", required=True, help='JSONL: {"messages": [...]} or {"prompt": "..."} per line')
     p.add_argument("--out", required=True, help="output JSONL, one line per input line")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

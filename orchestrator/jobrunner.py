@@ -24,9 +24,7 @@ def write_result(output_dir: str | Path, result: dict) -> Path:
     return path
 
 
-def run_job(
-    description: str, config_cls: type[C], body: Callable[[C], int], argv: list[str] | None = None
-) -> int:
+def run_job(description: str, config_cls: type[C], body: Callable[[C], int], argv: list[str] | None = None) -> int:
     """Parse `--config FILE key=value ...`, validate, run `body(config)`. A user error: one line, exit 2."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML config (see configs/)")

@@ -37,7 +37,4 @@ def chat_prompts(smollm2_tokenizer) -> list[list[int]]:
     """Token ids of 8 MT-Bench first turns under SmolLM2's chat template."""
     from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_first_turns
 
-    return [
-        encode_prompt(smollm2_tokenizer, PromptItem(0, messages=r["messages"]))
-        for r in mtbench_first_turns(8)
-    ]
+    return [encode_prompt(smollm2_tokenizer, PromptItem(0, messages=r["messages"])) for r in mtbench_first_turns(8)]

@@ -41,9 +41,7 @@ def test_generate_local_greedy_equals_transformers(tmp_path, smollm2_dir, smollm
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     for record, row in zip(records, rows, strict=True):
-        ids = smollm2_tokenizer.apply_chat_template(
-            record["messages"], add_generation_prompt=True, return_tensors="pt"
-        )
+        ids = smollm2_tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, return_tensors="pt")
         ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
         expected = hf.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :].tolist()
         assert row["token_ids"] == expected
@@ -53,9 +51,7 @@ def test_generate_local_greedy_equals_transformers(tmp_path, smollm2_dir, smollm
 
 def test_bad_jsonl_lines_are_reported_and_the_rest_served(tmp_path, smollm2_dir):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(
-        '{"prompt": "The capital of France is"}\n{not json\n{"messages": []}\n{"prompt": "One, two,"}\n'
-    )
+    prompts.write_text('{"prompt": "The capital of France is"}\n{not json\n{"messages": []}\n{"prompt": "One, two,"}\n')
     out = tmp_path / "out.jsonl"
     proc = _aerie(
         "generate",
@@ -96,9 +92,7 @@ def test_user_errors_are_one_line(args, pattern):
 def test_empty_messages_only_file_fails_cleanly(tmp_path, smollm2_dir):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"messages": []}\n')
-    proc = _aerie(
-        "generate", "--model", str(smollm2_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o")
-    )
+    proc = _aerie("generate", "--model", str(smollm2_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"))
     _assert_one_line_error(proc, "p.jsonl:1: 'messages' must be a non-empty list")
 
 

@@ -43,9 +43,7 @@ def parse_prompt_line(text: str, line: int, source: str) -> PromptItem:
             return PromptItem(line, error=f"{where}: 'messages' must be a non-empty list")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                return PromptItem(
-                    line, error=f"{where}: message {i} needs a 'role' in {ROLES} and a string 'content'"
-                )
+                return PromptItem(line, error=f"{where}: message {i} needs a 'role' in {ROLES} and a string 'content'")
         return PromptItem(line, messages=messages)
     if isinstance(record.get("prompt"), str) and record["prompt"]:
         return PromptItem(line, prompt=record["prompt"])
@@ -85,6 +83,5 @@ def mtbench_first_turns(limit: int | None = None) -> list[dict]:
     """The first turns of MT-Bench as `{"messages": [...]}` records."""
     questions = mtbench_questions()[:limit]
     return [
-        {"messages": [{"role": "user", "content": q["turns"][0]}], "question_id": q["question_id"]}
-        for q in questions
+        {"messages": [{"role": "user", "content": q["turns"][0]}], "question_id": q["question_id"]} for q in questions
     ]

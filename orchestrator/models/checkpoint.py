@@ -74,20 +74,14 @@ def drafter_config_from_hf(hf: dict, has_embed_tokens: bool = False) -> DrafterC
     """Parse a vLLM-format drafter config.json (EAGLE-3 configs without the 3.1 keys read as EAGLE-3)."""
     archs = hf.get("architectures") or []
     if not any("Eagle3" in a for a in archs):
-        raise CheckpointError(
-            f"config.json architectures {archs} is not an EAGLE-3 drafter (expected {ARCHITECTURE})"
-        )
-    missing = [
-        k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in hf
-    ]
+        raise CheckpointError(f"config.json architectures {archs} is not an EAGLE-3 drafter (expected {ARCHITECTURE})")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in hf]
     if missing:
         raise CheckpointError(f"config.json is missing {missing}")
     eagle = hf.get("eagle_config") or {}
     for key in ("eagle_aux_hidden_state_layer_ids", "norm_before_fc"):
         if key in hf and key in eagle and hf[key] != eagle[key]:
-            raise CheckpointError(
-                f"config.json says {key} = {hf[key]} at top level but {eagle[key]} in eagle_config"
-            )
+            raise CheckpointError(f"config.json says {key} = {hf[key]} at top level but {eagle[key]} in eagle_config")
     aux = hf.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
         raise CheckpointError(
@@ -227,11 +221,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafte
         raise CheckpointError(f"{path}: no config.json")
     if not list(path.glob("*.safetensors")):
         pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
-        hint = (
-            f" (found {pickles}: pickle weights are never loaded; convert them to safetensors)"
-            if pickles
-            else ""
-        )
+        hint = f" (found {pickles}: pickle weights are never loaded; convert them to safetensors)" if pickles else ""
         raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
     try:
         hf = json.loads(config_file.read_text())
@@ -249,12 +239,10 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafte
         if not (name.startswith("midlayer.") or name.startswith("layers.")):
             state[name] = tensor
     if "t2d" not in state:
-        state["t2d"] = _t2d_from_d2t(drafter.d2t if "d2t" not in state else state["d2t"], cfg.vocab_size)
+        state["t2d"] = _t2d_from_d2t(state.get("d2t", drafter.d2t), cfg.vocab_size)
     if "d2t" not in state:
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    drafter.load_state_dict(
-        {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True
-    )
+    drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return drafter
 
 

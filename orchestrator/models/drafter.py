@@ -44,9 +44,7 @@ class DrafterConfig:
         if self.fc_norm and self.norm_before_fc:
             raise AerieError("fc_norm and norm_before_fc are mutually exclusive: set at most one of them")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise AerieError(
-                f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size ({self.vocab_size})"
-            )
+            raise AerieError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size ({self.vocab_size})")
         if self.num_hidden_layers < 1:
             raise AerieError(f"num_hidden_layers must be at least 1, got {self.num_hidden_layers}")
         if not self.aux_layer_ids:
@@ -110,9 +108,7 @@ class EagleInputLayer(DecoderLayer):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm_before_residual = norm_before_residual
 
-    def forward_eagle(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward_eagle(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         normed = self.hidden_norm(hidden)  # [N, H]
         residual = normed if self.norm_before_residual else hidden
         return self(torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual, ctx)
@@ -163,9 +159,7 @@ class Drafter(nn.Module):
         if self.embed_tokens is not None:
             return self.embed_tokens(token_ids)
         if not self._shared_embed:
-            raise AerieError(
-                "this drafter shares the target's embedding: call share_embedding(target.embed_tokens)"
-            )
+            raise AerieError("this drafter shares the target's embedding: call share_embedding(target.embed_tokens)")
         return self._shared_embed[0](token_ids)
 
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
@@ -205,9 +199,7 @@ class Drafter(nn.Module):
         token_ids: [N]; hidden: [N, H], `combine_aux(aux)` for tokens that follow target states, else the
         previous step's `next_hidden`. Appends to the drafter's KV cache like the target does.
         """
-        ctx = AttentionContext.build(
-            cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start
-        )
+        ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
         x = self.layers[0].forward_eagle(self.embed(token_ids), hidden, ctx)
         for layer in self.layers[1:]:
             x = layer(layer.input_layernorm(x), x, ctx)

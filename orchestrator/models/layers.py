@@ -253,9 +253,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, attn_input: torch.Tensor, residual: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, attn_input: torch.Tensor, residual: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         h = residual + self.self_attn(attn_input, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 

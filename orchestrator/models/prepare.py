@@ -66,9 +66,7 @@ def is_prepared(out_dir: Path, name: str) -> bool:
     if record.get("name") != name:
         return False
     files = record.get("files", {})
-    return bool(files) and all(
-        (out_dir / f).is_file() and (out_dir / f).stat().st_size == s for f, s in files.items()
-    )
+    return bool(files) and all((out_dir / f).is_file() and (out_dir / f).stat().st_size == s for f, s in files.items())
 
 
 def prepare_model(name: str, out_dir: str | Path) -> Path:
@@ -117,9 +115,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     log.info("dequantising %s (about 20 s)", gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    quantized = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     config = quantized.config
     del config.quantization_config
     config.name_or_path = gguf_path.stem

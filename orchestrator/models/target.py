@@ -86,9 +86,7 @@ class TargetModel(nn.Module):
         super().__init__()
         model_type = hf_config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise AerieError(
-                f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
-            )
+            raise AerieError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
         self.hf_config = hf_config
         self.cfg = DecoderConfig.from_hf(hf_config)
         self.num_layers = hf_config["num_hidden_layers"]
@@ -153,14 +151,10 @@ class TargetModel(nn.Module):
         expected = {k for k in self.state_dict() if not (self.tie_word_embeddings and k == "lm_head.weight")}
         unknown, absent = sorted(set(state) - expected), sorted(expected - set(state))
         if unknown or absent:
-            raise AerieError(
-                f"model weights do not match the config: unexpected {unknown[:5]}, missing {absent[:5]}"
-            )
+            raise AerieError(f"model weights do not match the config: unexpected {unknown[:5]}, missing {absent[:5]}")
         for name, param in self.state_dict().items():
             if name in state and state[name].shape != param.shape:
-                raise AerieError(
-                    f"weight {name}: shape {tuple(state[name].shape)}, config says {tuple(param.shape)}"
-                )
+                raise AerieError(f"weight {name}: shape {tuple(state[name].shape)}, config says {tuple(param.shape)}")
         self.load_state_dict({k: v.to(self.dtype) for k, v in state.items()}, strict=False)
 
     @property
@@ -197,9 +191,7 @@ class TargetModel(nn.Module):
         cache index, i.e. contiguous after the cached prefix); block_mask: [B, T, T] bool over the new tokens
         (default causal). `logits="last"` computes them only for each sequence's last new token.
         """
-        ctx = AttentionContext.build(
-            cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start
-        )
+        ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
         x = self.embed_tokens(token_ids)  # [N, hidden]
         aux = [x] if 0 in self.aux_layer_ids else []
         for i, layer in enumerate(self.layers):

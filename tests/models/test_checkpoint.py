@@ -55,21 +55,15 @@ def test_written_config_is_what_vllm_reads(tmp_path, target):
     config = read_json(tmp_path / "d" / "config.json")
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"]) == (True, True, False)
-    assert (
-        config["eagle_aux_hidden_state_layer_ids"]
-        == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    )
+    assert config["eagle_aux_hidden_state_layer_ids"] == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert (
-        config["draft_vocab_size"] == 40 and config["vocab_size"] == 96 and config["target_hidden_size"] == 64
-    )
+    assert config["draft_vocab_size"] == 40 and config["vocab_size"] == 96 and config["target_hidden_size"] == 64
     tensors = load_file(tmp_path / "d" / "model.safetensors")
-    assert {"fc_norm.0.weight", "fc_norm.2.weight", "midlayer.hidden_norm.weight", "d2t", "t2d"} <= set(
-        tensors
+    assert {"fc_norm.0.weight", "fc_norm.2.weight", "midlayer.hidden_norm.weight", "d2t", "t2d"} <= set(tensors)
+    assert "midlayer.self_attn.q_proj.weight" in tensors and tensors["midlayer.self_attn.q_proj.weight"].shape == (
+        64,
+        128,
     )
-    assert "midlayer.self_attn.q_proj.weight" in tensors and tensors[
-        "midlayer.self_attn.q_proj.weight"
-    ].shape == (64, 128)
     assert tensors["d2t"].dtype == torch.int64 and "embed_tokens.weight" not in tensors
 
 

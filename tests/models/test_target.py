@@ -39,13 +39,9 @@ def _compare(model, refs, seqs, logit_tol):
         aux = out.aux_hidden[rows].view(n, len(model.aux_layer_ids), hidden)
         for j, layer_id in enumerate(model.aux_layer_ids):
             expected = ref.hidden_states[layer_id][0]
-            torch.testing.assert_close(
-                aux[:, j], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
-            )
+            torch.testing.assert_close(aux[:, j], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
         final = ref.hidden_states[-1][0]  # transformers' last entry is after the final norm
-        torch.testing.assert_close(
-            out.final_hidden[rows], final, rtol=1e-5, atol=1e-5 * final.abs().max().item()
-        )
+        torch.testing.assert_close(out.final_hidden[rows], final, rtol=1e-5, atol=1e-5 * final.abs().max().item())
         offset += n
 
 
@@ -83,7 +79,7 @@ def test_kv_cache_decoding_equals_full_forward(tiny_dir, packed):
     cache = model.new_cache(3, 64)
     slots = torch.arange(3)
     prefix = [4, 1, 6]  # prefill a prefix, then one token per step (sequences end at different steps)
-    model(torch.cat([s[:p] for s, p in zip(seqs, prefix)]), cache, slots, torch.tensor(prefix))
+    model(torch.cat([s[:p] for s, p in zip(seqs, prefix, strict=True)]), cache, slots, torch.tensor(prefix))
     got = {i: [] for i in range(3)}
     for step in range(12):
         live = [i for i in range(3) if prefix[i] + step < len(seqs[i])]
