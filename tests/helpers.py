@@ -68,3 +68,53 @@ def random_drafter(
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+class ReplayProposer:
+    """A test proposer that offers the target's own greedy continuation, corrupted at random depths, so the
+    accepted length of a round varies from 0 to the whole tree.
+
+    chain: the next `depth` reference tokens, one of them (sometimes none) replaced by a wrong token.
+    tree: at each depth the true token sits among `width` siblings at a random place; off-path siblings get
+    a wrong child too; the true path is cut at a random depth.
+    """
+
+    def __init__(self, references: list[list[int]], vocab: int, depth: int, width: int = 1, seed: int = 0):
+        self.references, self.vocab, self.depth, self.width = references, vocab, depth, width
+        self.emitted: dict[int, int] = {}
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def release(self, request_id: int) -> None:
+        self.emitted.pop(request_id, None)
+
+    def _rand(self, n: int) -> int:
+        return int(torch.randint(0, n, (1,), generator=self.rng))
+
+    def _wrong(self, token: int) -> int:
+        return (token + 1 + self._rand(self.vocab - 1)) % self.vocab
+
+    def propose(self, items):
+        from orchestrator.spec.tree import DraftTree
+
+        trees = []
+        for item in items:
+            done = self.emitted.get(item.request_id, 0) + item.tokens.numel()
+            first = item.request_id not in self.emitted
+            self.emitted[item.request_id] = 1 if first else done
+            ref = self.references[item.request_id][self.emitted[item.request_id] :]
+            depth = min(self.depth, item.budget, len(ref))
+            cut = self._rand(depth + 2)  # the true path survives `cut` levels (> depth: all of them)
+            tokens, parents, parent = [], [], -1
+            for level in range(depth):
+                true = ref[level] if level < cut else self._wrong(ref[level])
+                place = self._rand(self.width)
+                siblings = [self._wrong(ref[level]) for _ in range(self.width)]
+                siblings = list(dict.fromkeys(siblings[:place] + [true] + siblings[place + 1 :]))
+                if len(tokens) + len(siblings) > item.budget:
+                    break
+                start = len(tokens)
+                tokens += siblings
+                parents += [parent] * len(siblings)
+                parent = start + siblings.index(true)
+            trees.append(DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)))
+        return trees

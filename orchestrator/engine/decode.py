@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from orchestrator.engine.sampling import SamplingParams, sample
 from orchestrator.models.target import TargetModel
+
+if TYPE_CHECKING:
+    from orchestrator.engine.spec_engine import RequestMetrics
 
 
 @dataclass
@@ -21,7 +25,9 @@ class Generation:
 
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens)
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    metrics: RequestMetrics | None = None  # speculative decoding statistics
+    text: str | None = None  # set when a stop string cut the output
 
 
 @dataclass

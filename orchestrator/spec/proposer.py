@@ -1,0 +1,233 @@
+"""Proposers turn a request's newest target states into a draft tree. `EagleProposer` drafts with an
+EAGLE-3 / 3.1 drafter: chains (topk 1) or EAGLE-2 dynamic trees.
+
+Each round the engine hands over, per request, the pairs the target just produced: the aux hidden state at
+position t and the token x[t+1] that follows it (after prefill: the whole prompt plus the first sampled
+token; after a round: the root plus the accepted path, with the token emitted after it). The drafter appends
+those pairs to its KV cache for good (positions t), then drafts speculatively above them:
+
+    committed pairs ... (h_t, x_t+1)  ->  depth 1 (token d1, rope t+1)  ->  depth 2 (d2, rope t+2) ...
+
+Speculative entries are dropped at the start of the next round. Dynamic trees (EAGLE-2): at every depth the
+`topk` best frontier nodes (by cumulative draft log-probability) get `topk` children each; after `depth`
+levels the best `budget` nodes are kept, always with their parents and earlier-drawn siblings, which keeps
+verification lossless. Sampling requests draw children from the draft distribution q without replacement
+(Gumbel top-k) and record q; greedy requests take the top-k deterministically.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from orchestrator.engine.sampling import SamplingParams, probabilities
+from orchestrator.models.drafter import Drafter
+from orchestrator.spec.tree import DraftTree
+
+
+@dataclass
+class ProposeItem:
+    """One request's input to a drafting round."""
+
+    request_id: int
+    tokens: torch.Tensor  # [m] x[t+1] for each new target state
+    aux: torch.Tensor  # [m, k * target_hidden] aux hidden states at positions t
+    params: SamplingParams
+    generator: torch.Generator | None
+    budget: int  # most tree nodes this round (0: no draft)
+
+
+class Proposer(Protocol):
+    """What the engine needs from a drafting method (EAGLE, or a test's replay proposer)."""
+
+    def propose(self, items: list[ProposeItem]) -> list[DraftTree]: ...
+
+    def release(self, request_id: int) -> None: ...
+
+
+@dataclass
+class _Candidate:
+    parent: int  # candidate index of the parent, -1 = root
+    token: int
+    score: float  # cumulative draft log-probability
+    depth: int
+    order: int  # rank among its siblings (drawing order)
+    children: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Growing:
+    """A request's tree while it grows (candidates in creation order)."""
+
+    item: ProposeItem
+    slot: int
+    base_position: int  # rope position of the last committed pair
+    committed: int  # drafter cache length before speculation
+    candidates: list[_Candidate] = field(default_factory=list)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> drafter state (forwarded only)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> draft logits (forwarded only)
+    in_cache: list[int] = field(default_factory=list)  # candidates whose KV entries follow `committed`
+
+
+class EagleProposer:
+    """Draft trees from an EAGLE-3 / 3.1 drafter (its KV cache holds one slot per live request)."""
+
+    def __init__(self, drafter: Drafter, depth: int, topk: int, max_requests: int = 64, max_tokens: int = 4096):
+        assert depth >= 1 and topk >= 1
+        self.drafter = drafter
+        self.depth, self.topk = depth, topk
+        self.cache = drafter.new_cache(max_requests, max_tokens)
+        self.slots: dict[int, int] = {}
+        self.committed: dict[int, int] = {}
+
+    def release(self, request_id: int) -> None:
+        if request_id in self.slots:
+            self.cache.release(self.slots.pop(request_id))
+            self.committed.pop(request_id)
+
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem]) -> list[DraftTree]:
+        growing = self._commit_pairs(items)
+        active = [g for g in growing if g.item.budget > 0]
+        for depth in range(2, self.depth + 1):
+            expand = [(g, self._frontier(g, depth - 1)) for g in active if depth <= g.item.budget]
+            expand = [(g, nodes) for g, nodes in expand if nodes]
+            if not expand:
+                break
+            self._forward_nodes(expand)
+            for g, nodes in expand:
+                for node in nodes:
+                    self._add_children(g, node, g.logits[node])
+        return [self._select(g) for g in growing]
+
+    def _commit_pairs(self, items: list[ProposeItem]) -> list[_Growing]:
+        """Append each request's new (state, token) pairs for good; draft depth 1 from the last one."""
+        for item in items:
+            if item.request_id not in self.slots:
+                self.slots[item.request_id] = self.cache.allocate()
+                self.committed[item.request_id] = 0
+            self.cache.truncate(self.slots[item.request_id], self.committed[item.request_id])
+        slots = torch.tensor([self.slots[i.request_id] for i in items])
+        num = torch.tensor([i.tokens.numel() for i in items])
+        hidden = self.drafter.combine_aux(torch.cat([i.aux for i in items]).to(self.drafter.dtype))
+        out = self.drafter(torch.cat([i.tokens for i in items]), hidden, self.cache, slots, num)
+        last = torch.cumsum(num, 0) - 1
+        growing = []
+        for row, item in zip(last.tolist(), items, strict=True):
+            committed = int(self.cache.lengths[self.slots[item.request_id]])
+            self.committed[item.request_id] = committed
+            g = _Growing(item, self.slots[item.request_id], committed - 1, committed)
+            g.hidden[-1] = out.next_hidden[row]
+            if item.budget > 0:
+                self._add_children(g, -1, out.logits[row])
+            growing.append(g)
+        return growing
+
+    def _add_children(self, g: _Growing, parent: int, draft_logits: torch.Tensor) -> None:
+        """Draw `topk` children of `parent` (-1 = root) from its draft logits [draft_vocab]."""
+        k = self.topk
+        logits = self.drafter.target_logits(draft_logits[None])[0]  # [vocab], -inf outside the draft vocab
+        params = g.item.params
+        if params.greedy:
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            tokens = torch.topk(logq, k).indices
+        else:
+            q = probabilities(logits, params)
+            logq = torch.log(q)
+            gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=g.item.generator).clamp_min(1e-20)))
+            keys = torch.topk(logq + gumbel, k)
+            tokens = keys.indices[torch.isfinite(keys.values)]  # drawn without replacement, in drawing order
+            g.draft_probs[parent] = q
+        base = 0.0 if parent < 0 else g.candidates[parent].score
+        depth = 1 if parent < 0 else g.candidates[parent].depth + 1
+        for order, token in enumerate(tokens.tolist()):
+            g.candidates.append(_Candidate(parent, token, base + float(logq[token]), depth, order))
+            if parent >= 0:
+                g.candidates[parent].children.append(len(g.candidates) - 1)
+
+    def _frontier(self, g: _Growing, depth: int) -> list[int]:
+        """The `topk` best candidates at `depth` (by cumulative log-probability) to expand next."""
+        at_depth = [i for i, c in enumerate(g.candidates) if c.depth == depth]
+        return sorted(at_depth, key=lambda i: -g.candidates[i].score)[: self.topk]
+
+    def _forward_nodes(self, expand: list[tuple[_Growing, list[int]]]) -> None:
+        """Run the drafter on the nodes to expand: each sees the committed prefix and its own ancestors."""
+        tokens, hidden, positions, masks = [], [], [], []
+        for g, nodes in expand:
+            width = len(g.in_cache) + len(nodes)
+            mask = torch.zeros(len(nodes), width, dtype=torch.bool)
+            for row, node in enumerate(nodes):
+                ancestors = set(_ancestors(g, node))
+                mask[row, : len(g.in_cache)] = torch.tensor([c in ancestors for c in g.in_cache], dtype=torch.bool)
+                mask[row, len(g.in_cache) + row] = True
+                parent = g.candidates[node].parent
+                tokens.append(g.candidates[node].token)
+                hidden.append(g.hidden[parent])
+                positions.append(g.base_position + g.candidates[node].depth)
+            masks.append(mask)
+        width = max(m.shape[1] for m in masks)
+        rows = max(m.shape[0] for m in masks)
+        block = torch.zeros(len(expand), rows, width, dtype=torch.bool)
+        for b, m in enumerate(masks):
+            block[b, : m.shape[0], : m.shape[1]] = m
+        slots = torch.tensor([g.slot for g, _ in expand])
+        num = torch.tensor([len(nodes) for _, nodes in expand])
+        starts = torch.tensor([g.committed for g, _ in expand])
+        out = self.drafter(
+            torch.tensor(tokens),
+            torch.stack(hidden),
+            self.cache,
+            slots,
+            num,
+            positions=torch.tensor(positions),
+            block_mask=block,
+            mask_start=starts,
+        )
+        row = 0
+        for g, nodes in expand:
+            for node in nodes:
+                g.hidden[node] = out.next_hidden[row]
+                g.logits[node] = out.logits[row]
+                row += 1
+            g.in_cache.extend(nodes)
+
+    def _select(self, g: _Growing) -> DraftTree:
+        """Keep the `budget` best candidates, each with its parent and earlier-drawn siblings."""
+        if g.item.budget <= 0 or not g.candidates:
+            return DraftTree.empty()
+        cands = g.candidates
+        first_child = {-1: next((i for i, c in enumerate(cands) if c.parent < 0 and c.order == 0), None)}
+        heap = [(-cands[first_child[-1]].score, first_child[-1])]
+        chosen: list[int] = []
+        siblings: dict[int, list[int]] = {}
+        for i, c in enumerate(cands):
+            siblings.setdefault(c.parent, []).append(i)
+        while heap and len(chosen) < g.item.budget:
+            _, node = heapq.heappop(heap)
+            chosen.append(node)
+            sibs = siblings[cands[node].parent]
+            nxt = sibs.index(node) + 1
+            if nxt < len(sibs):
+                heapq.heappush(heap, (-cands[sibs[nxt]].score, sibs[nxt]))
+            if cands[node].children:
+                child = cands[node].children[0]
+                heapq.heappush(heap, (-cands[child].score, child))
+        chosen.sort(key=lambda i: (cands[i].depth, i))  # parents first, siblings in drawing order
+        index = {node: pos for pos, node in enumerate(chosen)}
+        tokens = torch.tensor([cands[i].token for i in chosen])
+        parents = torch.tensor([index[cands[i].parent] if cands[i].parent >= 0 else -1 for i in chosen])
+        probs = {index.get(p, -1) if p >= 0 else -1: q for p, q in g.draft_probs.items() if p < 0 or p in index}
+        return DraftTree(tokens, parents, probs)
+
+
+def _ancestors(g: _Growing, node: int) -> list[int]:
+    out = []
+    parent = g.candidates[node].parent
+    while parent >= 0:
+        out.append(parent)
+        parent = g.candidates[parent].parent
+    return out

@@ -1,0 +1,74 @@
+"""Draft trees: the tokens a proposer offers for one request in one round.
+
+The root is the request's last emitted token (not yet in the target's KV cache); nodes hang below it in
+topological order, siblings in the order they were drawn:
+
+    root r ─┬─ 0:a ── 2:c          tokens  [a, b, c]
+            └─ 1:b                 parents [-1, -1, 0]      (-1 = child of the root)
+
+The target verifies `[r, a, b, c]` in one forward: each row sees the cached prefix, itself and its
+ancestors (`attention_block`), at rope position `root_position + depth`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """One request's draft. `draft_probs[i]` is the distribution (over the target vocabulary) that the
+    children of node i (i = -1: the root) were drawn from; absent for children chosen deterministically
+    (greedy top-k), which verification treats as point masses."""
+
+    tokens: torch.Tensor  # [n] target-vocabulary ids
+    parents: torch.Tensor  # [n] index of each node's parent, -1 for the root's children
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # parent -> [vocab]
+
+    def __post_init__(self) -> None:
+        assert self.tokens.shape == self.parents.shape
+        assert all(int(p) < i for i, p in enumerate(self.parents)), "parents must come before their children"
+
+    @classmethod
+    def chain(cls, tokens: list[int] | torch.Tensor, draft_probs: dict[int, torch.Tensor] | None = None) -> DraftTree:
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        return cls(tokens, torch.arange(tokens.numel()) - 1, draft_probs or {})
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    def depths(self) -> torch.Tensor:
+        """[n] depth of each node (the root's children have depth 1)."""
+        depth = torch.zeros(self.size, dtype=torch.long)
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = root) in drawing order."""
+        return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+
+    def attention_block(self) -> torch.Tensor:
+        """[n+1, n+1] bool over `[root, nodes...]`: row i sees column j iff j is i, an ancestor, or the root."""
+        n = self.size
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents.tolist()):
+            mask[i + 1] |= mask[p + 1]
+            mask[i + 1, i + 1] = True
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root's child down to `node`."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]

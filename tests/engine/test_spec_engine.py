@@ -1,0 +1,118 @@
+"""The speculative engine is lossless: greedy output equals target-only greedy decoding (and transformers'
+`generate`) token for token, whatever the proposer, batch size or tree shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_first_turns
+from orchestrator.engine.decode import TargetDecoder
+from orchestrator.engine.sampling import SamplingParams
+from orchestrator.engine.spec_engine import SpecEngine
+from orchestrator.models import TargetModel
+from orchestrator.spec.proposer import EagleProposer
+from tests.helpers import ReplayProposer, random_drafter
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 24
+SHORT_CHATS = ["Hi!", "What is 2 + 2?", "Name a color.", "Say hello in French."]
+SPECS = {"chain": dict(depth=4, topk=1, budget=4), "tree": dict(depth=4, topk=3, budget=10)}
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_dir):
+    return TargetModel.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    """24 chat prompts, 20 MT-Bench first turns and 4 short ones: lengths from ~35 to ~190 tokens."""
+    chats = [r["messages"] for r in mtbench_first_turns(20)] + [[{"role": "user", "content": c}] for c in SHORT_CHATS]
+    return [encode_prompt(smollm2_tokenizer, PromptItem(0, messages=m)) for m in chats]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """Target-only greedy decoding (EOS ignored so every prompt runs the full length)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [g.token_ids for g in TargetDecoder(target, [2], max_batch=8).generate(prompts, params)]
+
+
+def test_target_only_equals_transformers_generate(smollm2_dir, prompts, reference):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for prompt, expected in zip(prompts, reference, strict=True):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+        assert out[0, len(prompt) :].tolist() == expected
+
+
+def _proposer(kind: str, spec: str, target, reference):
+    cfg = SPECS[spec]
+    if kind == "replay":
+        return ReplayProposer(reference, target.vocab_size, cfg["depth"], width=cfg["topk"], seed=1)
+    drafter = random_drafter(target.hf_config, "eagle3.1", draft_vocab_size=8192, seed=2)
+    drafter.share_embedding(target.embed_tokens)
+    return EagleProposer(drafter, cfg["depth"], cfg["topk"])
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("spec", ["chain", "tree"])
+@pytest.mark.parametrize("kind", ["random-drafter", "replay"])
+def test_greedy_speculation_is_exact(target, prompts, reference, kind, spec, batch):
+    proposer = _proposer(kind, spec, target, reference)
+    engine = SpecEngine(target, proposer, [2], budget=SPECS[spec]["budget"], max_batch=batch)
+    out = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [g.token_ids for g in out] == reference
+    if kind == "replay":
+        cfg = SPECS[spec]
+        rounds = sum(g.metrics.rounds for g in out)
+        accepted_none = rounds - sum(g.metrics.accepted_per_depth[0] for g in out if g.metrics.accepted_per_depth)
+        deepest = max(len(g.metrics.accepted_per_depth) for g in out)
+        assert accepted_none > 0, "some rounds should accept nothing"
+        assert deepest == min(cfg["depth"], cfg["budget"] // cfg["topk"]), "some rounds should accept a full path"
+        assert sum(g.metrics.acceptance_length for g in out) / len(out) > 1.5
+
+
+def test_stop_conditions_inside_an_accepted_path(target, prompts, reference):
+    """The replayed path runs past EOS / max_tokens / a stop string: the output stops exactly there."""
+    ref = reference[0]
+    eos = ref[6]
+    cut = ref.index(eos) + 1
+    engine = SpecEngine(target, ReplayProposer([ref], target.vocab_size, depth=8), [eos], budget=8)
+    (g,) = engine.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS))
+    assert g.token_ids == ref[:cut] and g.finish_reason == "stop"
+
+    engine = SpecEngine(target, ReplayProposer([ref], target.vocab_size, depth=8), [2], budget=8)
+    (g,) = engine.generate([prompts[0]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert g.token_ids == ref[:5] and g.finish_reason == "length"
+
+
+def test_stop_string_cuts_text(target, prompts, reference, smollm2_tokenizer):
+    ref = reference[1]
+    full = smollm2_tokenizer.decode(ref)
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
+    detok = lambda ids: smollm2_tokenizer.decode(ids)  # noqa: E731
+    engine = SpecEngine(target, ReplayProposer([ref], target.vocab_size, depth=6), [2], budget=6, detokenize=detok)
+    (g,) = engine.generate([prompts[1]], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True))
+    assert g.finish_reason == "stop" and g.text == full[: full.index(stop)]
+    assert stop in smollm2_tokenizer.decode(g.token_ids) and stop not in smollm2_tokenizer.decode(g.token_ids[:-1])
+
+
+def test_requests_with_different_settings_share_a_batch(target, prompts, reference):
+    drafter = random_drafter(target.hf_config, "eagle3", draft_vocab_size=8192, seed=3)
+    drafter.share_embedding(target.embed_tokens)
+    engine = SpecEngine(target, EagleProposer(drafter, 3, 2), [2], budget=5, max_batch=4)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(max_tokens=7, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=5),
+        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+    ]
+    out = engine.generate(prompts[:4], params)
+    assert out[0].token_ids == reference[0] and out[3].token_ids == reference[3]
+    assert out[1].token_ids == reference[1][:7]
+    alone = SpecEngine(target, EagleProposer(drafter, 3, 2), [2], budget=5, max_batch=1)
+    assert alone.generate([prompts[2]], params[2])[0].token_ids == out[2].token_ids  # same seed, same tokens

@@ -1,0 +1,83 @@
+"""Verifier tables: hand-built trees and target distributions with exact expected outcomes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.engine.sampling import SamplingParams
+from orchestrator.spec.tree import DraftTree
+from orchestrator.spec.verify import Verifier
+
+V = 8
+
+
+def _argmax_rows(*tokens: int) -> torch.Tensor:
+    """Target logits [n+1, V] whose argmax at row i is tokens[i]."""
+    logits = torch.zeros(len(tokens), V)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits
+
+
+GREEDY = Verifier()
+TREE = DraftTree(torch.tensor([3, 4, 5, 6, 2]), torch.tensor([-1, -1, 1, 1, 3]))  # root─{0:3, 1:4─{2:5, 3:6─4:2}}
+
+
+@pytest.mark.parametrize(
+    ("tree", "argmax", "accepted", "next_token"),
+    [
+        (DraftTree.chain([3, 4, 5]), (3, 4, 5, 6), [0, 1, 2], 6),  # all accepted + bonus
+        (DraftTree.chain([3, 4, 5]), (1, 4, 5, 6), [], 1),  # first token rejected: the target's own token
+        (DraftTree.chain([3, 4, 5]), (3, 4, 7, 6), [0, 1], 7),  # rejected at depth 3
+        (TREE, (4, 0, 6, 0, 2, 1), [1, 3, 4], 1),  # second branch, deep: 4 -> 6 -> 2, bonus 1
+        (TREE, (4, 0, 7, 0, 2, 1), [1], 7),  # second branch, neither grandchild matches
+        (DraftTree.empty(), (5,), [], 5),  # nothing drafted: plain decoding
+    ],
+    ids=["all-accepted", "first-rejected", "third-rejected", "deep-second-branch", "branch-then-miss", "empty"],
+)
+def test_greedy_table(tree, argmax, accepted, next_token):
+    verdict = GREEDY.verify(tree, _argmax_rows(*argmax), SamplingParams(), None)
+    assert (verdict.accepted, verdict.next_token) == (accepted, next_token)
+
+
+def test_sampling_accepts_certain_drafts_and_samples_the_bonus():
+    """p puts all mass on the drafted tokens: every draft is accepted, the bonus comes from the last row."""
+    tree = DraftTree.chain([3, 4], {-1: torch.full((V,), 1 / V), 0: torch.full((V,), 1 / V)})
+    logits = torch.full((3, V), -1e9)
+    logits[0, 3] = logits[1, 4] = logits[2, 6] = 0.0
+    verdict = GREEDY.verify(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert (verdict.accepted, verdict.next_token) == ([0, 1], 6)
+
+
+def test_sampling_rejects_impossible_drafts_and_uses_the_residual():
+    """p(3) = 0: the draft is always rejected; the residual max(p - q, 0) is all on token 5."""
+    q = torch.zeros(V)
+    q[3], q[5] = 0.5, 0.5
+    p_logits = torch.full((2, V), -1e9)
+    p_logits[0, 5] = 0.0
+    tree = DraftTree.chain([3], {-1: q})
+    for seed in range(20):
+        verdict = GREEDY.verify(tree, p_logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed))
+        assert (verdict.accepted, verdict.next_token) == ([], 5)
+
+
+def test_sampling_point_mass_siblings_are_tried_in_order():
+    """Deterministic siblings [3, 4] under p = one-hot(4): 3 is rejected (p(3) = 0), 4 accepted (p(4) = 1)."""
+    tree = DraftTree(torch.tensor([3, 4]), torch.tensor([-1, -1]))
+    logits = torch.full((3, V), -1e9)
+    logits[0, 4] = 0.0
+    logits[2, 1] = 0.0
+    verdict = GREEDY.verify(tree, logits, SamplingParams(temperature=0.7), torch.Generator().manual_seed(1))
+    assert (verdict.accepted, verdict.next_token) == ([1], 1)
+
+
+def test_top_k_restricts_the_target_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, -1.0, -2.0, -3.0, -4.0]])
+    tree = DraftTree.empty()
+    seen = {
+        GREEDY.verify(
+            tree, logits, SamplingParams(temperature=1.0, top_k=2), torch.Generator().manual_seed(s)
+        ).next_token
+        for s in range(200)
+    }
+    assert seen == {2, 3}
