@@ -27,6 +27,24 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from orchestrator.models.checkpoint import save_drafter
+    from orchestrator.models.init import init_drafter
+    from orchestrator.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(args.model)
+    if not 0 < args.draft_vocab_size <= target.vocab_size:
+        raise AerieError(f"--draft-vocab-size must be in 1..{target.vocab_size}")
+    draft_vocab = torch.arange(
+        args.draft_vocab_size
+    )  # without data: the first ids (BPE merges rank frequent ones first)
+    out = save_drafter(init_drafter(target, args.variant, draft_vocab, args.seed), args.out)
+    print(f"wrote an untrained {args.variant} drafter to {out}")
+    return 0
+
+
 def _prompts(args: argparse.Namespace) -> int:
     from orchestrator.data.prompts import mtbench_first_turns
 
@@ -87,16 +105,25 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_local(args, tokenizer, eos_ids, prompts, params) -> list[dict]:
     from orchestrator.engine.decode import TargetDecoder
+    from orchestrator.engine.spec_engine import SpecConfig, load_spec_engine
     from orchestrator.models.target import TargetModel
 
-    if args.drafter is not None:
-        raise AerieError("--engine local with --drafter needs the speculative engine; use --engine vllm for now")
-    model = TargetModel.from_pretrained(args.model)
-    decoder = TargetDecoder(model, eos_ids, max_batch=args.batch_size)
-    return [
-        {"token_ids": g.token_ids, "num_prompt_tokens": len(g.prompt_ids), "finish_reason": g.finish_reason}
-        for g in decoder.generate(prompts, params)
-    ]
+    if args.drafter is None:
+        decoder = TargetDecoder(TargetModel.from_pretrained(args.model), eos_ids, max_batch=args.batch_size)
+        generations = decoder.generate(prompts, params)
+    else:
+        spec = SpecConfig(
+            method=args.spec, num_spec_tokens=args.num_spec_tokens, depth=args.depth, topk=args.topk, budget=args.budget
+        )
+        engine = load_spec_engine(args.model, args.drafter, spec, eos_ids, args.batch_size, tokenizer.decode)
+        generations = engine.generate(prompts, params)
+    rows = []
+    for g in generations:
+        row = {"token_ids": g.token_ids, "num_prompt_tokens": len(g.prompt_ids), "finish_reason": g.finish_reason}
+        if g.metrics is not None:
+            row |= {"num_steps": g.metrics.rounds, "acceptance_length": round(g.metrics.acceptance_length, 4)}
+        rows.append(row)
+    return rows
 
 
 def _generate_vllm(args, prompts, params) -> list[dict]:
@@ -139,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=_prepare_model)
 
+    p = sub.add_parser("init-drafter", help="write an untrained EAGLE drafter for a target (vLLM format)")
+    p.add_argument("--model", required=True, help="target model directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--variant", choices=("eagle3", "eagle3.1"), default="eagle3.1")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_init_drafter)
+
     p = sub.add_parser("prompts", help="write a built-in prompt set as JSONL")
     p.add_argument("name", help="prompt set: mtbench (first turns)")
     p.add_argument("--out", required=True)
@@ -155,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--engine", choices=("local", "vllm"), default="local")
     p.add_argument("--batch-size", type=int, default=8, help="local engine: requests decoded together")
-    p.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
+    p.add_argument("--spec", choices=("chain", "tree"), default="chain", help="local engine: draft shape")
+    p.add_argument("--num-spec-tokens", type=int, default=3, help="chain: draft tokens per round")
+    p.add_argument("--depth", type=int, default=4, help="tree: most draft levels")
+    p.add_argument("--topk", type=int, default=4, help="tree: children per expanded node")
+    p.add_argument("--budget", type=int, default=16, help="tree: draft tokens verified per request and round")
     p.set_defaults(func=_generate)
     return parser
 

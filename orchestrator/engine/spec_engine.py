@@ -18,13 +18,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 
+from orchestrator.config import StrictModel
 from orchestrator.engine.decode import Generation, new_generator
 from orchestrator.engine.sampling import SamplingParams, sample
 from orchestrator.models.target import TargetModel
-from orchestrator.spec.proposer import ProposeItem, Proposer
+from orchestrator.spec.proposer import EagleProposer, ProposeItem, Proposer
 from orchestrator.spec.tree import DraftTree
 from orchestrator.spec.verify import Verdict, Verifier
 
@@ -276,3 +280,48 @@ class SpecEngine:
                     del r.output[n:]
                     break
             r.text, r.finish_reason = text[:index], "stop"
+
+
+class SpecConfig(StrictModel):
+    """How to speculate: a chain of `num_spec_tokens`, or an EAGLE-2 dynamic tree."""
+
+    method: Literal["chain", "tree"] = Field("chain", description="chain drafts or dynamic trees")
+    num_spec_tokens: int = Field(3, ge=1, description="chain: draft tokens per round")
+    depth: int = Field(4, ge=1, description="tree: most draft levels")
+    topk: int = Field(4, ge=1, description="tree: children per expanded node and nodes expanded per level")
+    budget: int = Field(16, ge=1, description="tree: most draft tokens the target verifies per request")
+
+    def shape(self) -> tuple[int, int, int]:
+        """(depth, topk, budget) of the proposer."""
+        if self.method == "chain":
+            return self.num_spec_tokens, 1, self.num_spec_tokens
+        return self.depth, self.topk, self.budget
+
+
+def load_spec_engine(
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    spec: SpecConfig,
+    eos_token_ids: Sequence[int],
+    max_batch: int = 16,
+    detokenize: Callable[[list[int]], str] | None = None,
+) -> SpecEngine:
+    """A SpecEngine over a target directory and a vLLM-format drafter, the target reading the drafter's aux
+    layers."""
+    from orchestrator.errors import AerieError
+    from orchestrator.models.checkpoint import load_drafter
+    from orchestrator.models.target import read_hf_config
+
+    drafter = load_drafter(drafter_dir)
+    hf = read_hf_config(target_dir)
+    if drafter.config.vocab_size != hf["vocab_size"] or drafter.config.target_hidden_size != hf["hidden_size"]:
+        raise AerieError(
+            f"drafter {drafter_dir} was built for vocab {drafter.config.vocab_size} / hidden "
+            f"{drafter.config.target_hidden_size}, the target has {hf['vocab_size']} / {hf['hidden_size']}"
+        )
+    target = TargetModel.from_pretrained(target_dir, aux_layer_ids=drafter.config.aux_layer_ids)
+    if not drafter.config.stores_embeddings:
+        drafter.share_embedding(target.embed_tokens)
+    depth, topk, budget = spec.shape()
+    proposer = EagleProposer(drafter, depth, topk, max_requests=max_batch)
+    return SpecEngine(target, proposer, eos_token_ids, budget, max_batch=max_batch, detokenize=detokenize)

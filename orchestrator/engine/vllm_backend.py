@@ -69,6 +69,10 @@ class VllmGenerator:
         )
         self.speculative = spec is not None
 
+    def close(self) -> None:
+        """Stop vLLM's engine process now (an idle engine left behind would compete for the CPU)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def counters(self) -> SpecCounters:
         values = {m.name: getattr(m, "value", 0) for m in self.llm.get_metrics() if m.name in SPEC_COUNTERS}
         return SpecCounters(*(int(values.get(name, 0)) for name in SPEC_COUNTERS))

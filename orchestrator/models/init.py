@@ -1,0 +1,40 @@
+"""A fresh drafter for a target, initialised the way EAGLE trainers start: `lm_head` from the target's
+output embeddings of the draft vocabulary and `norm` from the target's final norm (a large head start:
+the drafter begins by predicting what the target's own head would say of its state)."""
+
+from __future__ import annotations
+
+import torch
+
+from orchestrator.models.drafter import Drafter, DrafterConfig
+from orchestrator.models.target import TargetModel
+
+
+def init_drafter(
+    target: TargetModel,
+    variant: str = "eagle3.1",
+    draft_vocab: torch.Tensor | None = None,
+    seed: int = 0,
+    **flags,
+) -> Drafter:
+    """draft_vocab: [draft_vocab_size] ascending target ids the drafter may propose (default: all)."""
+    vocab = target.vocab_size
+    draft_vocab = torch.arange(vocab) if draft_vocab is None else draft_vocab.sort().values
+    config = DrafterConfig.for_target(target.hf_config, target.aux_layer_ids, draft_vocab.numel(), variant, **flags)
+    torch.manual_seed(seed)
+    drafter = Drafter(config, target.dtype)
+    with torch.no_grad():
+        head = target.embed_tokens.weight if target.tie_word_embeddings else target_head_weight(target)
+        drafter.lm_head.weight.copy_(head[draft_vocab])
+        drafter.norm.weight.copy_(target.norm.weight)
+        drafter.d2t.copy_(draft_vocab - torch.arange(draft_vocab.numel()))
+        drafter.t2d.zero_()
+        drafter.t2d[draft_vocab] = True
+    drafter.share_embedding(target.embed_tokens)
+    return drafter
+
+
+def target_head_weight(target: TargetModel) -> torch.Tensor:
+    """The target's lm_head weight [vocab, hidden] (dense, also when packed for oneDNN)."""
+    weight = target.lm_head.weight
+    return weight.to_dense() if weight.is_mkldnn else weight
