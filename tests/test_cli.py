@@ -100,3 +100,20 @@ def test_prepare_model_is_idempotent(smollm2_dir):
     before = {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()}
     assert main(["prepare-model", "smollm2-135m-instruct", "--out", str(smollm2_dir)]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()} == before
+
+
+def test_prompt_longer_than_the_context_is_one_line(tmp_path, smollm2_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    proc = _aerie(
+        "generate",
+        "--model",
+        str(smollm2_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "o"),
+        "--max-tokens",
+        "9000",
+    )
+    _assert_one_line_error(proc, "exceeds the context window of 8192")

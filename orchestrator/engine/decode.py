@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from orchestrator.engine.sampling import SamplingParams, sample
+from orchestrator.errors import AerieError
 from orchestrator.models.target import TargetModel
 
 if TYPE_CHECKING:
@@ -51,6 +52,17 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
     return generator
 
 
+def check_context(model: TargetModel, prompt: Sequence[int], params: SamplingParams) -> None:
+    """A prompt plus its max_tokens must fit the model's context window (a user error otherwise)."""
+    window = model.cfg.max_position_embeddings
+    if not prompt:
+        raise AerieError("empty prompt")
+    if len(prompt) + params.max_tokens > window:
+        raise AerieError(
+            f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the context window of {window}"
+        )
+
+
 def is_finished(result: Generation, params: SamplingParams, eos_ids: frozenset[int]) -> bool:
     """Set `finish_reason` once the last token is EOS or max_tokens is reached."""
     if not params.ignore_eos and result.token_ids and result.token_ids[-1] in eos_ids:
@@ -74,6 +86,8 @@ class TargetDecoder:
         """Generate for every prompt (token ids); results come back in prompt order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        for p, sp in zip(prompts, params, strict=True):
+            check_context(self.model, p, sp)
         results = [Generation(list(p)) for p in prompts]
         for start in range(0, len(prompts), self.max_batch):
             chunk = range(start, min(start + self.max_batch, len(prompts)))

@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from orchestrator.config import StrictModel
-from orchestrator.engine.decode import Generation, new_generator
+from orchestrator.engine.decode import Generation, check_context, new_generator
 from orchestrator.engine.sampling import SamplingParams, sample
 from orchestrator.models.target import TargetModel
 from orchestrator.spec.proposer import EagleProposer, ProposeItem, Proposer
@@ -124,8 +124,7 @@ class SpecEngine:
         self.last_step = StepStats()
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, budget: int | None = None) -> int:
-        if not prompt_ids:
-            raise ValueError("empty prompt")
+        check_context(self.target, prompt_ids, params)
         request_id = self._next_id
         self._next_id += 1
         budget = self.budget if budget is None else budget

@@ -76,7 +76,7 @@ class _Growing:
 class EagleProposer:
     """Draft trees from an EAGLE-3 / 3.1 drafter (its KV cache holds one slot per live request)."""
 
-    def __init__(self, drafter: Drafter, depth: int, topk: int, max_requests: int = 64, max_tokens: int = 4096):
+    def __init__(self, drafter: Drafter, depth: int, topk: int, max_requests: int = 64, max_tokens: int | None = None):
         assert depth >= 1 and topk >= 1
         self.drafter = drafter
         self.depth, self.topk = depth, topk
