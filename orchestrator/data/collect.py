@@ -1,0 +1,297 @@
+"""Hidden-state collection on Ray: conversations -> chat templates -> target forward -> shards + manifest.
+
+driver: load sources, split by id, render every template variant, plan shards, skip verified ones
+   └── ActorPool of CaptureWorker (TargetModel each; resources from the config)
+          capture_shard -> write_shard (atomic, with a sha256 record)  -> local dir or s3://
+driver: manifest.json (written last) and result.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from tqdm import tqdm
+
+from orchestrator.config import StrictModel
+from orchestrator.data.conversations import (
+    Conversation,
+    LoadReport,
+    load_chitchat,
+    load_messages_jsonl,
+    load_mtbench_first_turns,
+    load_sharegpt,
+    split_of,
+)
+from orchestrator.data.shards import (
+    DTYPES,
+    Sequence,
+    ShardPlan,
+    capture_shard,
+    finished_record,
+    plan_shards,
+    write_shard,
+)
+from orchestrator.data.storage import open_storage
+from orchestrator.data.templates import render_conversation
+from orchestrator.errors import AerieError
+from orchestrator.models.target import default_aux_layer_ids, read_hf_config
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+
+
+class SourceConfig(StrictModel):
+    kind: Literal["chitchat", "jsonl", "sharegpt", "mtbench"] = Field(description="dataset format or built-in")
+    path: str | None = Field(None, description="file for jsonl / sharegpt")
+    weight: float = Field(1.0, gt=0, description="share of max_conversations taken from this source")
+
+    @model_validator(mode="after")
+    def _path(self) -> SourceConfig:
+        if self.kind in ("jsonl", "sharegpt") and not self.path:
+            raise ValueError(f"a {self.kind} source needs a path")
+        return self
+
+
+class TemplateVariant(StrictModel):
+    name: str = Field(description="variant name recorded with each sequence")
+    chat_template: str | None = Field(None, description="Jinja chat template; None = the tokenizer's own")
+    system_prompt: str | None = Field(None, description="system message put first; None = none added")
+
+
+class WorkerResources(StrictModel):
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. gb200: 1")
+    torch_threads: int = Field(2, ge=1)
+
+
+class CollectConfig(StrictModel):
+    """`python -m jobs.collect_hidden_states` settings."""
+
+    model: str = Field(description="target: a Hugging Face directory or a packaged model name")
+    models_dir: str = Field("models", description="where packaged models are prepared")
+    sources: list[SourceConfig] = Field(min_length=1)
+    max_conversations: int | None = Field(None, ge=1, description="total over sources, split by weight")
+    validation_fraction: float = Field(0.05, ge=0, lt=1)
+    templates: list[TemplateVariant] = Field(default_factory=lambda: [TemplateVariant(name="default")], min_length=1)
+    max_length_tokens: int = Field(2048, ge=2)
+    aux_layer_ids: list[int] | None = Field(None, description="default: vLLM's (2, N//2, N-3)")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    shard_tokens: int = Field(65536, ge=1, description="tokens per shard (whole sequences)")
+    batch_tokens: int = Field(4096, ge=1, description="tokens per target forward")
+    output: str = Field(description="local directory or s3://bucket/prefix")
+    num_workers: int = Field(1, ge=1)
+    worker: WorkerResources = Field(default_factory=WorkerResources)
+    ray_address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
+    max_new_shards: int | None = Field(None, ge=0, description="write at most this many shards, then stop")
+    measure_baseline: bool = Field(True, description="time a plain forward loop over the same tokens")
+
+
+def load_conversations(cfg: CollectConfig) -> tuple[list[Conversation], dict]:
+    """All sources, each cut to its weighted share of max_conversations; returns conversations + provenance."""
+    total_weight = sum(s.weight for s in cfg.sources)
+    conversations, provenance = [], []
+    for source in cfg.sources:
+        report = LoadReport()
+        if source.kind == "chitchat":
+            convs = load_chitchat(report)
+        elif source.kind == "mtbench":
+            convs = load_mtbench_first_turns()
+        elif source.kind == "jsonl":
+            convs = load_messages_jsonl(source.path, report)
+        else:
+            convs = load_sharegpt(source.path, report)
+        if cfg.max_conversations is not None:
+            convs = convs[: round(cfg.max_conversations * source.weight / total_weight)]
+        conversations += convs
+        provenance.append(
+            {
+                **source.model_dump(),
+                "used": len(convs),
+                "malformed": report.malformed,
+                "malformed_lines": report.malformed_lines,
+                "skipped_no_assistant": report.no_assistant,
+            }
+        )
+    if not conversations:
+        raise AerieError("the configured sources hold no usable conversation (each needs an assistant turn)")
+    return conversations, {"sources": provenance}
+
+
+def render_all(cfg: CollectConfig, conversations: list[Conversation], tokenizer) -> dict[str, list[Sequence]]:
+    """Every conversation under every template variant, by split."""
+    out: dict[str, list[Sequence]] = {"train": [], "validation": []}
+    for conv in tqdm(conversations, desc="render", unit="conv"):
+        split = split_of(conv.id, cfg.validation_fraction)
+        for variant in cfg.templates:
+            messages = conv.messages
+            if variant.system_prompt is not None:
+                messages = [{"role": "system", "content": variant.system_prompt}] + [
+                    m for m in messages if m["role"] != "system"
+                ]
+            r = render_conversation(tokenizer, messages, variant.chat_template, variant.name, cfg.max_length_tokens)
+            if r.loss_mask.any():  # truncation can cut every assistant token away
+                out[split].append(Sequence(conv.id, variant.name, r.input_ids, r.loss_mask))
+    return out
+
+
+def config_sha256(model_dir: Path) -> str:
+    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+
+
+def _capture_worker_class():
+    import ray
+
+    @ray.remote
+    class CaptureWorker:
+        """One target replica: captures whole shards and writes them to the destination itself."""
+
+        def __init__(
+            self,
+            model_dir: str,
+            aux_layer_ids: tuple[int, ...],
+            output: str,
+            dtype: str,
+            batch_tokens: int,
+            threads: int,
+        ) -> None:
+            from orchestrator.models.target import TargetModel
+
+            torch.set_num_threads(threads)
+            self.target = TargetModel.from_pretrained(model_dir, aux_layer_ids)
+            self.storage = open_storage(output)
+            self.dtype, self.batch_tokens = DTYPES[dtype], batch_tokens
+
+        def capture(self, plan: ShardPlan) -> tuple[dict, dict]:
+            began = time.perf_counter()
+            record = write_shard(self.storage, plan, capture_shard(self.target, plan, self.dtype, self.batch_tokens))
+            peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            return record, {"seconds": time.perf_counter() - began, "peak_rss_mib": peak_mib}
+
+    return CaptureWorker
+
+
+def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
+    """The whole job; returns result.json's content. Every input is checked before any capture starts."""
+    import ray
+    from ray.util import ActorPool
+
+    from orchestrator.models.tokenizer import load_tokenizer
+
+    hf = read_hf_config(model_dir)
+    num_layers = hf["num_hidden_layers"]
+    aux = tuple(cfg.aux_layer_ids or default_aux_layer_ids(num_layers))
+    bad = [i for i in aux if not 0 <= i < num_layers]
+    if bad:
+        raise AerieError(f"aux layer ids {bad} are outside the {num_layers}-layer target (valid: 0..{num_layers - 1})")
+    storage = open_storage(cfg.output)
+    conversations, provenance = load_conversations(cfg)
+    tokenizer = load_tokenizer(model_dir)
+    by_split = render_all(cfg, conversations, tokenizer)
+    plans = [p for split, seqs in by_split.items() for p in plan_shards(seqs, split, cfg.shard_tokens)]
+    records = {p.name: r for p in plans if (r := finished_record(storage, p)) is not None}
+    pending = [p for p in plans if p.name not in records]
+    reused = len(records)
+    if cfg.max_new_shards is not None:
+        pending = pending[: cfg.max_new_shards]
+    log.info("%d shards planned, %d verified and reused, %d to capture", len(plans), reused, len(pending))
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray_address, log_to_driver=False) if cfg.ray_address else ray.init(log_to_driver=False)
+    worker_cls = _capture_worker_class().options(
+        num_cpus=cfg.worker.num_cpus, num_gpus=cfg.worker.num_gpus, resources=cfg.worker.resources
+    )
+    workers = [
+        worker_cls.remote(str(model_dir), aux, cfg.output, cfg.dtype, cfg.batch_tokens, cfg.worker.torch_threads)
+        for _ in range(min(cfg.num_workers, max(1, len(pending))))
+    ]
+    began, tokens, peaks = time.perf_counter(), 0, []
+    bar = tqdm(total=sum(p.num_tokens for p in pending), desc="capture", unit="tok", unit_scale=True)
+    for record, stats in ActorPool(workers).map_unordered(lambda w, p: w.capture.remote(p), pending):
+        records[record["name"]] = record
+        tokens += record["num_tokens"]
+        peaks.append(stats["peak_rss_mib"])
+        bar.update(record["num_tokens"])
+    bar.close()
+    elapsed = time.perf_counter() - began
+    for w in workers:
+        ray.kill(w)
+
+    complete = len(records) == len(plans)
+    manifest = None
+    if complete:
+        manifest = build_manifest(cfg, model_dir, hf, aux, provenance, [records[p.name] for p in plans])
+        storage.write_bytes(MANIFEST, json.dumps(manifest, indent=2).encode())
+    total_tokens = sum(r["num_tokens"] for r in records.values())
+    result = {
+        "output": storage.uri(),
+        "complete": complete,
+        "shards_planned": len(plans),
+        "shards_reused": reused,
+        "shards_written": len(pending),
+        "tokens_captured_this_run": tokens,
+        "total_tokens": total_tokens,
+        "capture_seconds": round(elapsed, 2),
+        "capture_tokens_per_s": round(tokens / elapsed, 1) if tokens else None,
+        "bytes_per_token": round(sum(r["bytes"] for r in records.values()) / max(total_tokens, 1), 1),
+        "worker_peak_rss_mib": round(max(peaks), 1) if peaks else None,
+        "datasets": provenance,
+    }
+    if cfg.measure_baseline and pending:
+        result["baseline_forward_tokens_per_s"] = baseline_tokens_per_s(cfg, model_dir, aux, pending)
+        result["capture_vs_baseline"] = round(
+            result["capture_tokens_per_s"] / result["baseline_forward_tokens_per_s"], 3
+        )
+    return result
+
+
+def baseline_tokens_per_s(cfg: CollectConfig, model_dir: Path, aux: tuple[int, ...], plans: list[ShardPlan]) -> float:
+    """A plain forward loop over the same tokens in the same batches: no Ray, no casting, no storage."""
+    from orchestrator.data.shards import _batches
+    from orchestrator.models.target import TargetModel
+
+    torch.set_num_threads(cfg.worker.torch_threads)
+    target = TargetModel.from_pretrained(model_dir, aux)
+    began, tokens = time.perf_counter(), 0
+    for plan in plans:
+        for batch in _batches(plan.sequences, cfg.batch_tokens):
+            lengths = torch.tensor([s.input_ids.numel() for s in batch])
+            cache = target.new_cache(len(batch), int(lengths.max()))
+            target(torch.cat([s.input_ids for s in batch]), cache, torch.arange(len(batch)), lengths, logits="none")
+            tokens += int(lengths.sum())
+    return round(tokens / (time.perf_counter() - began), 1)
+
+
+def build_manifest(cfg: CollectConfig, model_dir: Path, hf: dict, aux, provenance: dict, records: list[dict]) -> dict:
+    splits = {}
+    for r in records:
+        s = splits.setdefault(r["split"], {"num_shards": 0, "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0})
+        s["num_shards"] += 1
+        for key in ("num_sequences", "num_tokens", "num_loss_tokens"):
+            s[key] += r[key]
+    return {
+        "format": "aerie-hidden-states/1",
+        "target": {
+            "name": model_dir.name,
+            "config_sha256": config_sha256(model_dir),
+            "hidden_size": hf["hidden_size"],
+            "num_hidden_layers": hf["num_hidden_layers"],
+            "vocab_size": hf["vocab_size"],
+        },
+        "aux_layer_ids": list(aux),
+        "dtype": cfg.dtype,
+        "max_length_tokens": cfg.max_length_tokens,
+        "templates": [t.model_dump() for t in cfg.templates],
+        "validation_fraction": cfg.validation_fraction,
+        "datasets": provenance,
+        "splits": splits,
+        "shards": records,
+    }

@@ -1,0 +1,91 @@
+"""Where shards go: a local directory or `s3://bucket/prefix` (boto3; endpoint, region and credentials from the
+standard AWS environment and config files, so MinIO, Ceph or moto work as well as AWS).
+
+Writes are atomic: a local file is written beside its target and renamed; an S3 object appears whole.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+from orchestrator.errors import AerieError
+
+
+class Storage(Protocol):
+    def exists(self, name: str) -> bool: ...
+
+    def read_bytes(self, name: str) -> bytes: ...
+
+    def write_bytes(self, name: str, data: bytes) -> None: ...
+
+    def uri(self, name: str = "") -> str: ...
+
+
+class LocalStorage:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def exists(self, name: str) -> bool:
+        return (self.root / name).is_file()
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.root / name).read_bytes()
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.root)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.root / name)
+
+    def uri(self, name: str = "") -> str:
+        return str(self.root / name)
+
+
+class S3Storage:
+    def __init__(self, url: str) -> None:
+        import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.client = boto3.client("s3")
+        try:
+            self.client.head_bucket(Bucket=bucket)
+        except (BotoCoreError, ClientError) as err:
+            raise AerieError(
+                f"cannot reach S3 bucket {bucket!r} ({err}); check AWS_ENDPOINT_URL and credentials"
+            ) from err
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def exists(self, name: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(name))
+            return True
+        except ClientError as err:
+            if err.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+
+    def uri(self, name: str = "") -> str:
+        return f"s3://{self.bucket}/{self._key(name)}"
+
+
+def open_storage(location: str) -> Storage:
+    """`s3://bucket/prefix` or a local directory."""
+    if location.startswith("s3://"):
+        return S3Storage(location)
+    return LocalStorage(location)

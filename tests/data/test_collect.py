@@ -1,0 +1,195 @@
+"""The collection job end to end: hidden states equal transformers', S3 (moto on loopback) equals local
+byte for byte, resume after a stop or a corrupted shard, and clear errors before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.data.conversations import LoadReport, load_chitchat
+from orchestrator.data.shards import read_shard
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, smollm2_dir) -> Path:
+    """Ten chitchat conversations plus a malformed line and one without an answer; two template variants."""
+    root = tmp_path_factory.mktemp("collect")
+    convs = load_chitchat(LoadReport())[:10]
+    lines = [json.dumps({"id": c.id, "messages": c.messages}) for c in convs]
+    lines.insert(3, "{not json")
+    lines.append(json.dumps({"messages": [{"role": "user", "content": "alone"}]}))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = {
+        "model": str(smollm2_dir),
+        "sources": [{"kind": "jsonl", "path": str(root / "data.jsonl")}],
+        "validation_fraction": 0.3,
+        "templates": [{"name": "chatml"}, {"name": "sys", "system_prompt": "You are terse."}],
+        "max_length_tokens": 256,
+        "shard_tokens": 600,
+        "batch_tokens": 1024,
+        "measure_baseline": False,
+        "output": str(root / "unused"),
+    }
+    path = root / "collect.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def _collect(config: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.collect_hidden_states", "--config", str(config), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+    return proc
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def local_run(config, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("local")
+    _ok(_collect(config, f"output={out}", "measure_baseline=true"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    """moto's S3 server on a free loopback port, with a bucket."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket="aerie-test")
+            break
+        except Exception:  # noqa: BLE001 (server still starting)
+            time.sleep(0.1)
+    yield env, client
+    server.terminate()
+    server.wait(timeout=10)
+
+
+def test_manifest_and_counts(local_run):
+    manifest = json.loads((local_run / "manifest.json").read_text())
+    result = json.loads((local_run / "result.json").read_text())
+    assert manifest["aux_layer_ids"] == [2, 15, 27] and manifest["dtype"] == "bfloat16"
+    (source,) = manifest["datasets"]["sources"]
+    assert source["malformed"] == 1 and source["malformed_lines"] == ["data.jsonl:4"]
+    assert source["skipped_no_assistant"] == 1 and source["used"] == 10
+    assert sum(s["num_sequences"] for s in manifest["splits"].values()) == 20  # 10 conversations x 2 templates
+    assert result["complete"] and result["capture_vs_baseline"] > 0
+    assert abs(result["bytes_per_token"] - 2 * (3 * 576 + 576) - 5) < 10  # bf16 states + int32 id + bool mask
+
+
+def test_captured_states_equal_transformers(local_run, smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    shard = read_shard((local_run / "train-00000.safetensors").read_bytes())
+    ids, lens = shard["input_ids"].long(), shard["seq_lens"].tolist()
+    offset = 0
+    for n in lens[:3]:
+        with torch.no_grad():
+            ref = hf(ids[offset : offset + n][None], output_hidden_states=True).hidden_states
+        got = shard["aux_hidden"][offset : offset + n].float().view(n, 3, 576)
+        for j, layer in enumerate((2, 15, 27)):
+            scale = ref[layer][0].abs().max().item()
+            torch.testing.assert_close(got[:, j], ref[layer][0], rtol=1.6e-2, atol=1e-2 * scale)
+        torch.testing.assert_close(
+            shard["final_hidden"][offset : offset + n].float(), ref[-1][0], rtol=1.6e-2, atol=0.05
+        )
+        offset += n
+
+
+def test_s3_gives_the_same_manifest_and_bytes(config, local_run, s3_env):
+    env, client = s3_env
+    _ok(_collect(config, "output=s3://aerie-test/run1", env=env))
+    manifest = json.loads(client.get_object(Bucket="aerie-test", Key="run1/manifest.json")["Body"].read())
+    assert manifest == json.loads((local_run / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        body = client.get_object(Bucket="aerie-test", Key=f"run1/{shard['name']}")["Body"].read()
+        assert body == (local_run / shard["name"]).read_bytes()
+
+
+def test_resume_after_a_stop_and_after_corruption(config, local_run, tmp_path):
+    out = tmp_path / "resumed"
+    _ok(_collect(config, f"output={out}", "max_new_shards=2"))
+    assert not (out / "manifest.json").exists() and len(list(out.glob("*.safetensors"))) == 2
+    _ok(_collect(config, f"output={out}"))
+    expected = (local_run / "manifest.json").read_text()
+    assert (out / "manifest.json").read_text() == expected
+    result = json.loads((out / "result.json").read_text())
+    assert result["shards_reused"] == 2 and result["shards_written"] == result["shards_planned"] - 2
+
+    victim = out / "train-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    _ok(_collect(config, f"output={out}"))
+    result = json.loads((out / "result.json").read_text())
+    assert result["shards_written"] == 1 and (out / "manifest.json").read_text() == expected
+    assert victim.read_bytes() == (local_run / victim.name).read_bytes()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "no partial files left behind"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (["sources=[{kind: reddit}]"], {}, "sources.0.kind: Input should be"),
+        (["aux_layer_ids=[2,40]"], {}, "aux layer ids [40] are outside the 30-layer target"),
+        (
+            ["output=s3://aerie-nowhere/x"],
+            {
+                "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+                "AWS_ACCESS_KEY_ID": "x",
+                "AWS_SECRET_ACCESS_KEY": "x",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_MAX_ATTEMPTS": "1",
+            },
+            "cannot reach S3 bucket 'aerie-nowhere'",
+        ),
+    ],
+    ids=["unknown-dataset", "layer-outside", "unreachable-s3"],
+)
+def test_bad_input_fails_before_any_work(config, tmp_path, overrides, env, message):
+    proc = _collect(config, f"output={tmp_path / 'o'}", *overrides, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr.strip().splitlines()[-1]
+    assert not list((tmp_path / "o").glob("*.safetensors")) if (tmp_path / "o").exists() else True
