@@ -193,3 +193,69 @@ def test_bad_input_fails_before_any_work(config, tmp_path, overrides, env, messa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr.strip().splitlines()[-1]
     assert not list((tmp_path / "o").glob("*.safetensors")) if (tmp_path / "o").exists() else True
+
+
+def test_reader_streams_every_sequence_once_across_workers(local_run):
+    from orchestrator.data.reader import ShardReader
+
+    manifest = json.loads((local_run / "manifest.json").read_text())
+    expected = manifest["splits"]["train"]["num_sequences"]
+    seen = []
+    for rank in range(2):
+        for seq in ShardReader(str(local_run), "train", rank=rank, world_size=2, seed=3, buffer_sequences=2):
+            assert seq.aux_hidden.shape == (seq.input_ids.numel(), 3 * 576) and seq.loss_mask.any()
+            seen.append((seq.conversation_id, int(seq.input_ids.sum())))
+    assert len(seen) == len(set(seen)) == expected
+    first = [s.conversation_id for s in ShardReader(str(local_run), seed=3)]
+    assert first == [s.conversation_id for s in ShardReader(str(local_run), seed=3)]
+    assert first != [s.conversation_id for s in ShardReader(str(local_run), seed=4)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_against_a_started_head(config, local_run, tmp_path):
+    """`ray start --head` on loopback, then `ray job submit --working-dir .`: same manifest as a direct run."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    gcs, dashboard = _free_port(), _free_port()
+    start = [
+        str(bin_dir / "ray"),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs}",
+        "--num-cpus=2",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        "--disable-usage-stats",
+    ]
+    subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60)
+    started = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        out = tmp_path / "submitted"
+        runtime_env = json.dumps({"excludes": [".venv", "models", "runs", ".git", "*.safetensors"]})
+        submit = [
+            str(bin_dir / "ray"),
+            "job",
+            "submit",
+            f"--address=http://127.0.0.1:{dashboard}",
+            f"--working-dir={REPO}",
+            f"--runtime-env-json={runtime_env}",
+            "--",
+            "python",
+            "-m",
+            "jobs.collect_hidden_states",
+            "--config",
+            str(config),
+            f"output={out}",
+        ]
+        proc = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert (out / "manifest.json").read_text() == (local_run / "manifest.json").read_text()
+    finally:
+        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
