@@ -40,6 +40,15 @@ from orchestrator.data.shards import (
     write_shard,
 )
 from orchestrator.data.storage import open_storage
+from orchestrator.data.synthetic import (
+    RegenerateConfig,
+    SyntheticConfig,
+    answer_turns,
+    cache_key,
+    load_saved_dataset,
+    save_dataset,
+    synthesise_prompts,
+)
 from orchestrator.data.templates import render_conversation
 from orchestrator.errors import AerieError
 from orchestrator.models.target import default_aux_layer_ids, read_hf_config
@@ -49,14 +58,19 @@ MANIFEST = "manifest.json"
 
 
 class SourceConfig(StrictModel):
-    kind: Literal["chitchat", "jsonl", "sharegpt", "mtbench"] = Field(description="dataset format or built-in")
+    kind: Literal["chitchat", "jsonl", "sharegpt", "mtbench", "synthetic"] = Field(
+        description="dataset format, built-in set, or synthetic (Magpie-style prompts written by the target)"
+    )
     path: str | None = Field(None, description="file for jsonl / sharegpt")
     weight: float = Field(1.0, gt=0, description="share of max_conversations taken from this source")
+    synthetic: SyntheticConfig | None = Field(None, description="settings of a synthetic source")
 
     @model_validator(mode="after")
     def _path(self) -> SourceConfig:
         if self.kind in ("jsonl", "sharegpt") and not self.path:
             raise ValueError(f"a {self.kind} source needs a path")
+        if (self.kind == "synthetic") != (self.synthetic is not None):
+            raise ValueError("a synthetic source needs synthetic settings (and only it takes them)")
         return self
 
 
@@ -92,6 +106,7 @@ class CollectConfig(StrictModel):
     worker: WorkerResources = Field(default_factory=WorkerResources)
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
     max_new_shards: int | None = Field(None, ge=0, description="write at most this many shards, then stop")
+    regenerate: RegenerateConfig | None = Field(None, description="replace assistant turns by the target's own")
     measure_baseline: bool = Field(True, description="time a plain forward loop over the same tokens")
 
 
@@ -103,6 +118,8 @@ def load_conversations(cfg: CollectConfig) -> tuple[list[Conversation], dict]:
         report = LoadReport()
         if source.kind == "chitchat":
             convs = load_chitchat(report)
+        elif source.kind == "synthetic":
+            continue  # written by the target: see add_generated
         elif source.kind == "mtbench":
             convs = load_mtbench_first_turns()
         elif source.kind == "jsonl":
@@ -121,9 +138,88 @@ def load_conversations(cfg: CollectConfig) -> tuple[list[Conversation], dict]:
                 "skipped_no_assistant": report.no_assistant,
             }
         )
-    if not conversations:
-        raise AerieError("the configured sources hold no usable conversation (each needs an assistant turn)")
     return conversations, {"sources": provenance}
+
+
+def add_generated(
+    cfg: CollectConfig, model_dir: Path, tokenizer, conversations: list[Conversation], provenance: dict
+) -> list[Conversation]:
+    """Synthetic sources and regeneration, each saved under regenerate.cache_dir and reused when the model
+    and settings match."""
+    synthetic = [s for s in cfg.sources if s.kind == "synthetic"]
+    if not synthetic and cfg.regenerate is None:
+        return conversations
+    from orchestrator.engine.decode import TargetDecoder
+    from orchestrator.models.target import TargetModel
+    from orchestrator.models.tokenizer import eos_token_ids
+
+    regen = cfg.regenerate or RegenerateConfig()
+    model_hash = config_sha256(model_dir)
+    decoder = None
+
+    def get_decoder() -> TargetDecoder:
+        nonlocal decoder
+        decoder = decoder or TargetDecoder(TargetModel.from_pretrained(model_dir), eos_token_ids(model_dir, tokenizer))
+        return decoder
+
+    for source in synthetic:
+        path = (
+            Path(regen.cache_dir) / f"synthetic-{cache_key(model_hash, source.model_dump(), regen.model_dump())}.jsonl"
+        )
+        saved = load_saved_dataset(path)
+        if saved is None:
+            began = time.perf_counter()
+            prompts, stats = synthesise_prompts(get_decoder(), tokenizer, source.synthetic)
+            convs = answer_turns(get_decoder(), tokenizer, prompts, regen, follow_up=source.synthetic)
+            stats["seconds"] = round(time.perf_counter() - began, 1)
+            save_dataset(
+                path,
+                convs,
+                {
+                    "model": model_dir.name,
+                    "config_sha256": model_hash,
+                    "source": source.model_dump(),
+                    "regenerate": regen.model_dump(),
+                    "stats": stats,
+                },
+            )
+            saved = load_saved_dataset(path)
+        convs, prov = saved
+        conversations += convs
+        provenance["sources"].append({"kind": "synthetic", "dataset": str(path), "used": len(convs), **prov["stats"]})
+    if cfg.regenerate is not None:
+        real = [c for c in conversations if not c.source.startswith("synthetic")]
+        ids = cache_key(model_hash, [c.id for c in real], regen.model_dump())
+        path = Path(regen.cache_dir) / f"regenerated-{ids}.jsonl"
+        saved = load_saved_dataset(path)
+        if saved is None:
+            began = time.perf_counter()
+            answered = answer_turns(get_decoder(), tokenizer, real, regen)
+            seconds = time.perf_counter() - began
+            tokens = sum(
+                len(tokenizer(m["content"])["input_ids"])
+                for c in answered
+                for m in c.messages
+                if m["role"] == "assistant"
+            )
+            save_dataset(
+                path,
+                answered,
+                {
+                    "model": model_dir.name,
+                    "config_sha256": model_hash,
+                    "regenerate": regen.model_dump(),
+                    "conversations": len(real),
+                    "generated_tokens": tokens,
+                    "seconds": round(seconds, 1),
+                    "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                },
+            )
+            saved = load_saved_dataset(path)
+        answered, prov = saved
+        conversations = answered + [c for c in conversations if c.source.startswith("synthetic")]
+        provenance["regenerated"] = {"dataset": str(path), **{k: v for k, v in prov.items() if k != "regenerate"}}
+    return conversations
 
 
 def render_all(cfg: CollectConfig, conversations: list[Conversation], tokenizer) -> dict[str, list[Sequence]]:
@@ -195,6 +291,9 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
     storage = open_storage(cfg.output)
     conversations, provenance = load_conversations(cfg)
     tokenizer = load_tokenizer(model_dir)
+    conversations = add_generated(cfg, model_dir, tokenizer, conversations, provenance)
+    if not conversations:
+        raise AerieError("the configured sources hold no usable conversation (each needs an assistant turn)")
     by_split = render_all(cfg, conversations, tokenizer)
     plans = [p for split, seqs in by_split.items() for p in plan_shards(seqs, split, cfg.shard_tokens)]
     records = {p.name: r for p in plans if (r := finished_record(storage, p)) is not None}

@@ -259,3 +259,27 @@ def test_ray_job_submit_against_a_started_head(config, local_run, tmp_path):
         assert (out / "manifest.json").read_text() == (local_run / "manifest.json").read_text()
     finally:
         subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_synthetic_prompts_and_regeneration_are_made_once_and_reused(config, tmp_path):
+    cache = tmp_path / "datasets"
+    overrides = [
+        "sources=[{kind: synthetic, synthetic: {num_conversations: 4, user_turns: 2, max_prompt_tokens: 48}},"
+        f" {{kind: jsonl, path: {config.parent / 'data.jsonl'}}}]",
+        "max_conversations=6",
+        f"regenerate={{max_new_tokens: 12, cache_dir: {cache}}}",
+    ]
+    _ok(_collect(config, f"output={tmp_path / 'a'}", *overrides))
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    synthetic = next(s for s in manifest["datasets"]["sources"] if s["kind"] == "synthetic")
+    assert synthetic["kept"] == synthetic["used"] == 4 and synthetic["generated"] >= 4
+    assert sum(synthetic["per_topic"].values()) == 4
+    regenerated = manifest["datasets"]["regenerated"]
+    assert regenerated["conversations"] == 3 and regenerated["tokens_per_s"] > 0
+    saved = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    rows = [json.loads(line) for line in (cache / Path(regenerated["dataset"]).name).read_text().splitlines()]
+    assert all(m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant")
+
+    _ok(_collect(config, f"output={tmp_path / 'b'}", *overrides))
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == saved, "datasets must be reused"
+    assert (tmp_path / "b" / "manifest.json").read_text() == (tmp_path / "a" / "manifest.json").read_text()

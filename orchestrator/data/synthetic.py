@@ -1,0 +1,192 @@
+"""Training data written by the target itself.
+
+Magpie-style prompt synthesis: render the chat template up to the start of a user turn (after a
+topic-steering system prompt) and let the target write the user's message:
+
+    <|im_start|>system\\nThe user asks about math.<|im_end|>\\n<|im_start|>user\\n  ->  "What is the derivative..."
+
+Sampled (T=1.0, top-p 0.95 by default), then filtered (empty, too short, truncated) and de-duplicated.
+Follow-up user turns are written the same way after the answer. Regeneration (self-distillation) replaces
+every assistant turn by the target's own answer, turn by turn, so the drafter learns the distribution it
+will be served against. Results are saved as JSONL with a provenance record and reused when the settings
+match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections import Counter
+from pathlib import Path
+
+from pydantic import Field
+
+from orchestrator.config import StrictModel
+from orchestrator.data.conversations import Conversation
+from orchestrator.engine.decode import TargetDecoder
+from orchestrator.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+MARK = "\x00AERIE_USER_TURN\x00"
+TOPICS = (
+    "coding",
+    "math",
+    "reasoning",
+    "writing",
+    "roleplay",
+    "information extraction",
+    "science and engineering",
+    "history and the humanities",
+    "everyday questions",
+)
+
+
+class SyntheticConfig(StrictModel):
+    num_conversations: int = Field(ge=1, description="conversations to keep (more are sampled to allow for filtering)")
+    topics: list[str] = Field(default_factory=lambda: list(TOPICS), min_length=1)
+    user_turns: int = Field(1, ge=1, le=4, description="user turns per conversation (follow-ups after answers)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    max_prompt_tokens: int = Field(96, ge=8, description="a prompt still unfinished here is dropped as truncated")
+    min_prompt_chars: int = Field(12, ge=1)
+    seed: int = 0
+
+
+class RegenerateConfig(StrictModel):
+    max_new_tokens: int = Field(256, ge=1, description="per assistant turn")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    cache_dir: str = Field("runs/datasets", description="where regenerated datasets are kept for reuse")
+
+
+def user_turn_prefix(tokenizer, messages: list[dict]) -> str:
+    """The template rendered up to where the next user message's text begins (any template)."""
+    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": MARK}], tokenize=False)
+    return text[: text.index(MARK)]
+
+
+def _complete(
+    decoder: TargetDecoder, tokenizer, texts: list[str], params: list[SamplingParams]
+) -> list[tuple[str, bool]]:
+    """Continue each rendered text; returns (completion, finished with EOS) per text."""
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    out = []
+    for g in decoder.generate(prompts, params):
+        out.append((tokenizer.decode(g.token_ids, skip_special_tokens=True).strip(), g.finish_reason == "stop"))
+    return out
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+def synthesise_prompts(decoder: TargetDecoder, tokenizer, cfg: SyntheticConfig) -> tuple[list[Conversation], dict]:
+    """Magpie-style first user turns, balanced over topics; returns conversations and statistics."""
+    wanted = cfg.num_conversations
+    kept: list[Conversation] = []
+    seen: set[str] = set()
+    stats = Counter()
+    per_topic = Counter()
+    round_ = 0
+    while len(kept) < wanted and round_ < 5:
+        batch = [cfg.topics[i % len(cfg.topics)] for i in range(2 * (wanted - len(kept)))]
+        texts = [
+            user_turn_prefix(tokenizer, [{"role": "system", "content": f"The user asks about {t}."}]) for t in batch
+        ]
+        params = [
+            SamplingParams(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_tokens=cfg.max_prompt_tokens,
+                seed=cfg.seed * 1_000_003 + round_ * 100_003 + i,
+            )
+            for i in range(len(batch))
+        ]
+        for topic, (text, finished) in zip(batch, _complete(decoder, tokenizer, texts, params), strict=True):
+            stats["generated"] += 1
+            key = _normalise(text)
+            if not finished:
+                stats["truncated"] += 1
+            elif len(text) < cfg.min_prompt_chars:
+                stats["too_short"] += 1
+            elif key in seen:
+                stats["duplicate"] += 1
+            elif len(kept) < wanted:
+                seen.add(key)
+                per_topic[topic] += 1
+                kept.append(
+                    Conversation(
+                        f"synthetic/{cfg.seed}/{len(kept)}", [{"role": "user", "content": text}], f"synthetic:{topic}"
+                    )
+                )
+        round_ += 1
+    return kept, {
+        "generated": stats["generated"],
+        "kept": len(kept),
+        "truncated": stats["truncated"],
+        "too_short": stats["too_short"],
+        "duplicates": stats["duplicate"],
+        "per_topic": dict(per_topic),
+    }
+
+
+def answer_turns(
+    decoder: TargetDecoder,
+    tokenizer,
+    conversations: list[Conversation],
+    cfg: RegenerateConfig,
+    follow_up: SyntheticConfig | None = None,
+) -> list[Conversation]:
+    """Replace (or add) every assistant turn with the target's own answer, turn by turn, all conversations
+    batched; with `follow_up`, append target-written user follow-ups until it has `user_turns` turns."""
+    users = [[m for m in c.messages if m["role"] == "user"] for c in conversations]
+    systems = [[m for m in c.messages if m["role"] == "system"] for c in conversations]
+    turns = max(len(u) for u in users) if follow_up is None else follow_up.user_turns
+    history = [list(s) for s in systems]
+    params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=0)
+    for turn in range(turns):
+        if follow_up is not None and turn > 0:
+            need = [i for i in range(len(history)) if len(users[i]) <= turn]
+            texts = [user_turn_prefix(tokenizer, history[i]) for i in need]
+            p = [
+                SamplingParams(
+                    temperature=follow_up.temperature,
+                    top_p=follow_up.top_p,
+                    max_tokens=follow_up.max_prompt_tokens,
+                    seed=follow_up.seed + 7919 * i + turn,
+                )
+                for i in need
+            ]
+            for i, (text, finished) in zip(need, _complete(decoder, tokenizer, texts, p), strict=True):
+                if finished and len(text) >= follow_up.min_prompt_chars:
+                    users[i].append({"role": "user", "content": text})
+        active = [i for i in range(len(history)) if turn < len(users[i])]
+        for i in active:
+            history[i].append(users[i][turn])
+        texts = [tokenizer.apply_chat_template(history[i], tokenize=False, add_generation_prompt=True) for i in active]
+        for i, (text, _) in zip(active, _complete(decoder, tokenizer, texts, [params] * len(active)), strict=True):
+            history[i].append({"role": "assistant", "content": text})
+    return [Conversation(c.id, h, c.source) for c, h in zip(conversations, history, strict=True)]
+
+
+def cache_key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def save_dataset(path: Path, conversations: list[Conversation], provenance: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        "".join(json.dumps({"id": c.id, "source": c.source, "messages": c.messages}) + "\n" for c in conversations)
+    )
+    tmp.replace(path)
+    path.with_suffix(".provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def load_saved_dataset(path: Path) -> tuple[list[Conversation], dict] | None:
+    prov = path.with_suffix(".provenance.json")
+    if not (path.is_file() and prov.is_file()):
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Conversation(r["id"], r["messages"], r.get("source", "")) for r in rows], json.loads(prov.read_text())
