@@ -77,7 +77,9 @@ class SourceConfig(StrictModel):
 class TemplateVariant(StrictModel):
     name: str = Field(description="variant name recorded with each sequence")
     chat_template: str | None = Field(None, description="Jinja chat template; None = the tokenizer's own")
-    system_prompt: str | None = Field(None, description="system message put first; None = none added")
+    system_prompts: list[str] = Field(
+        default_factory=list, description="system message put first, drawn per conversation; empty = none added"
+    )
 
 
 class WorkerResources(StrictModel):
@@ -229,10 +231,10 @@ def render_all(cfg: CollectConfig, conversations: list[Conversation], tokenizer)
         split = split_of(conv.id, cfg.validation_fraction)
         for variant in cfg.templates:
             messages = conv.messages
-            if variant.system_prompt is not None:
-                messages = [{"role": "system", "content": variant.system_prompt}] + [
-                    m for m in messages if m["role"] != "system"
-                ]
+            if variant.system_prompts:
+                pick = int(hashlib.sha256(f"{variant.name}/{conv.id}".encode()).hexdigest(), 16)
+                system = variant.system_prompts[pick % len(variant.system_prompts)]
+                messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
             r = render_conversation(tokenizer, messages, variant.chat_template, variant.name, cfg.max_length_tokens)
             if r.loss_mask.any():  # truncation can cut every assistant token away
                 out[split].append(Sequence(conv.id, variant.name, r.input_ids, r.loss_mask))

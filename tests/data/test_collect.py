@@ -34,7 +34,7 @@ def config(tmp_path_factory, smollm2_dir) -> Path:
         "model": str(smollm2_dir),
         "sources": [{"kind": "jsonl", "path": str(root / "data.jsonl")}],
         "validation_fraction": 0.3,
-        "templates": [{"name": "chatml"}, {"name": "sys", "system_prompt": "You are terse."}],
+        "templates": [{"name": "chatml"}, {"name": "sys", "system_prompts": ["You are terse.", "Answer kindly."]}],
         "max_length_tokens": 256,
         "shard_tokens": 600,
         "batch_tokens": 1024,

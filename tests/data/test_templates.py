@@ -36,3 +36,25 @@ def test_truncation_keeps_the_mask_aligned(smollm2_tokenizer):
     full = render_conversation(smollm2_tokenizer, CHAT)
     cut = render_conversation(smollm2_tokenizer, CHAT, max_tokens=full.input_ids.numel() - 5)
     assert (cut.input_ids == full.input_ids[:-5]).all() and (cut.loss_mask == full.loss_mask[:-5]).all()
+
+
+def test_system_prompts_are_drawn_per_conversation(smollm2_tokenizer):
+    from orchestrator.data.collect import CollectConfig, render_all
+    from orchestrator.data.conversations import Conversation
+
+    cfg = CollectConfig(
+        model="unused",
+        output="unused",
+        sources=[{"kind": "chitchat"}],
+        templates=[{"name": "plain"}, {"name": "sys", "system_prompts": ["AAA rule.", "BBB rule."]}],
+    )
+    convs = [Conversation(f"c{i}", CHAT) for i in range(16)]
+    rendered = render_all(cfg, convs, smollm2_tokenizer)
+    seqs = rendered["train"] + rendered["validation"]
+    texts = {(s.conversation_id, s.template): smollm2_tokenizer.decode(s.input_ids) for s in seqs}
+    assert len(texts) == 32
+    picked = ["AAA" if "AAA rule." in t else "BBB" for (c, v), t in texts.items() if v == "sys"]
+    assert set(picked) == {"AAA", "BBB"}
+    assert not any("rule." in t for (c, v), t in texts.items() if v == "plain")
+    again = render_all(cfg, convs, smollm2_tokenizer)
+    assert [s.input_ids.tolist() for s in again["train"]] == [s.input_ids.tolist() for s in rendered["train"]]
