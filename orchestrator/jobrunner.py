@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,19 @@ from orchestrator.config import StrictModel, load_config
 from orchestrator.errors import AerieError
 
 C = TypeVar("C", bound=StrictModel)
+
+
+def init_ray(address: str | None = None) -> None:
+    """Connect to `address` (or RAY_ADDRESS, as `ray job submit` sets it); otherwise start a local Ray bound
+    to loopback, which needs no other address."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
 
 
 def write_result(output_dir: str | Path, result: dict) -> Path:

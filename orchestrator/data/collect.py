@@ -2,7 +2,8 @@
 
 driver: load sources, split by id, render every template variant, plan shards, skip verified ones
    └── ActorPool of CaptureWorker (TargetModel each; resources from the config)
-          capture_shard -> write_shard (atomic, with a sha256 record)  -> local dir or s3://
+          states (TargetModel or vLLM extract_hidden_states) -> shard bytes -> write_shard (atomic,
+          with a sha256 record) -> local dir or s3://
 driver: manifest.json (written last) and result.json
 """
 
@@ -34,9 +35,10 @@ from orchestrator.data.shards import (
     DTYPES,
     Sequence,
     ShardPlan,
-    capture_shard,
     finished_record,
     plan_shards,
+    shard_bytes,
+    target_states,
     write_shard,
 )
 from orchestrator.data.storage import open_storage
@@ -51,6 +53,7 @@ from orchestrator.data.synthetic import (
 )
 from orchestrator.data.templates import render_conversation
 from orchestrator.errors import AerieError
+from orchestrator.jobrunner import init_ray
 from orchestrator.models.target import default_aux_layer_ids, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,9 @@ class CollectConfig(StrictModel):
     max_length_tokens: int = Field(2048, ge=2)
     aux_layer_ids: list[int] | None = Field(None, description="default: vLLM's (2, N//2, N-3)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    backend: Literal["target", "vllm"] = Field(
+        "target", description="target: the project's model; vllm: vLLM's extract_hidden_states (production on GPU)"
+    )
     shard_tokens: int = Field(65536, ge=1, description="tokens per shard (whole sequences)")
     batch_tokens: int = Field(4096, ge=1, description="tokens per target forward")
     output: str = Field(description="local directory or s3://bucket/prefix")
@@ -260,17 +266,26 @@ def _capture_worker_class():
             dtype: str,
             batch_tokens: int,
             threads: int,
+            backend: str,
+            max_length_tokens: int,
         ) -> None:
-            from orchestrator.models.target import TargetModel
-
             torch.set_num_threads(threads)
-            self.target = TargetModel.from_pretrained(model_dir, aux_layer_ids)
+            if backend == "vllm":
+                from orchestrator.data.vllm_capture import VllmCapture
+
+                self.states = VllmCapture(model_dir, aux_layer_ids, max_length_tokens + 1).capture
+            else:
+                from orchestrator.models.target import TargetModel
+
+                target = TargetModel.from_pretrained(model_dir, aux_layer_ids)
+                self.states = lambda plan: target_states(target, plan, batch_tokens)
             self.storage = open_storage(output)
-            self.dtype, self.batch_tokens = DTYPES[dtype], batch_tokens
+            self.dtype = DTYPES[dtype]
 
         def capture(self, plan: ShardPlan) -> tuple[dict, dict]:
             began = time.perf_counter()
-            record = write_shard(self.storage, plan, capture_shard(self.target, plan, self.dtype, self.batch_tokens))
+            aux, final = self.states(plan)
+            record = write_shard(self.storage, plan, shard_bytes(plan, aux, final, self.dtype))
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             return record, {"seconds": time.perf_counter() - began, "peak_rss_mib": peak_mib}
 
@@ -305,13 +320,21 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
         pending = pending[: cfg.max_new_shards]
     log.info("%d shards planned, %d verified and reused, %d to capture", len(plans), reused, len(pending))
 
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray_address, log_to_driver=False) if cfg.ray_address else ray.init(log_to_driver=False)
+    init_ray(cfg.ray_address)
     worker_cls = _capture_worker_class().options(
         num_cpus=cfg.worker.num_cpus, num_gpus=cfg.worker.num_gpus, resources=cfg.worker.resources
     )
     workers = [
-        worker_cls.remote(str(model_dir), aux, cfg.output, cfg.dtype, cfg.batch_tokens, cfg.worker.torch_threads)
+        worker_cls.remote(
+            str(model_dir),
+            aux,
+            cfg.output,
+            cfg.dtype,
+            cfg.batch_tokens,
+            cfg.worker.torch_threads,
+            cfg.backend,
+            cfg.max_length_tokens,
+        )
         for _ in range(min(cfg.num_workers, max(1, len(pending))))
     ]
     began, tokens, peaks = time.perf_counter(), 0, []
@@ -355,20 +378,15 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
 
 
 def baseline_tokens_per_s(cfg: CollectConfig, model_dir: Path, aux: tuple[int, ...], plans: list[ShardPlan]) -> float:
-    """A plain forward loop over the same tokens in the same batches: no Ray, no casting, no storage."""
-    from orchestrator.data.shards import _batches
+    """The same forwards in the driver, in the same batches: no Ray, no casting, serialising or storage."""
     from orchestrator.models.target import TargetModel
 
     torch.set_num_threads(cfg.worker.torch_threads)
     target = TargetModel.from_pretrained(model_dir, aux)
-    began, tokens = time.perf_counter(), 0
+    began = time.perf_counter()
     for plan in plans:
-        for batch in _batches(plan.sequences, cfg.batch_tokens):
-            lengths = torch.tensor([s.input_ids.numel() for s in batch])
-            cache = target.new_cache(len(batch), int(lengths.max()))
-            target(torch.cat([s.input_ids for s in batch]), cache, torch.arange(len(batch)), lengths, logits="none")
-            tokens += int(lengths.sum())
-    return round(tokens / (time.perf_counter() - began), 1)
+        target_states(target, plan, cfg.batch_tokens)
+    return round(sum(p.num_tokens for p in plans) / (time.perf_counter() - began), 1)
 
 
 def build_manifest(cfg: CollectConfig, model_dir: Path, hf: dict, aux, provenance: dict, records: list[dict]) -> dict:
@@ -389,6 +407,7 @@ def build_manifest(cfg: CollectConfig, model_dir: Path, hf: dict, aux, provenanc
         },
         "aux_layer_ids": list(aux),
         "dtype": cfg.dtype,
+        "backend": cfg.backend,
         "max_length_tokens": cfg.max_length_tokens,
         "templates": [t.model_dump() for t in cfg.templates],
         "validation_fraction": cfg.validation_fraction,

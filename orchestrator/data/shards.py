@@ -70,20 +70,25 @@ def _batches(sequences: list[Sequence], batch_tokens: int) -> list[list[Sequence
     return out + ([current] if current else [])
 
 
-def capture_shard(target: TargetModel, plan: ShardPlan, dtype: torch.dtype, batch_tokens: int) -> bytes:
-    """Run the target over a shard's sequences and serialise the result (safetensors bytes)."""
+def target_states(target: TargetModel, plan: ShardPlan, batch_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux [T, k*H] and final-norm [T, H] states of a shard's sequences from the project's target model."""
     aux, final = [], []
     for batch in _batches(plan.sequences, batch_tokens):
         lengths = torch.tensor([s.input_ids.numel() for s in batch])
         cache = target.new_cache(len(batch), int(lengths.max()))
         out = target(torch.cat([s.input_ids for s in batch]), cache, torch.arange(len(batch)), lengths, logits="none")
-        aux.append(out.aux_hidden.to(dtype))
-        final.append(out.final_hidden.to(dtype))
+        aux.append(out.aux_hidden)
+        final.append(out.final_hidden)
+    return torch.cat(aux), torch.cat(final)
+
+
+def shard_bytes(plan: ShardPlan, aux: torch.Tensor, final: torch.Tensor, dtype: torch.dtype) -> bytes:
+    """Serialise a captured shard (canonical safetensors bytes)."""
     tensors = {
         "input_ids": torch.cat([s.input_ids for s in plan.sequences]).to(torch.int32),
         "loss_mask": torch.cat([s.loss_mask for s in plan.sequences]),
-        "aux_hidden": torch.cat(aux).contiguous(),
-        "final_hidden": torch.cat(final).contiguous(),
+        "aux_hidden": aux.to(dtype).contiguous(),
+        "final_hidden": final.to(dtype).contiguous(),
         "seq_lens": torch.tensor([s.input_ids.numel() for s in plan.sequences], dtype=torch.int32),
     }
     metadata = {

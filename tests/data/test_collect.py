@@ -283,3 +283,20 @@ def test_synthetic_prompts_and_regeneration_are_made_once_and_reused(config, tmp
     _ok(_collect(config, f"output={tmp_path / 'b'}", *overrides))
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == saved, "datasets must be reused"
     assert (tmp_path / "b" / "manifest.json").read_text() == (tmp_path / "a" / "manifest.json").read_text()
+
+
+@pytest.mark.vllm
+def test_vllm_backend_gives_the_same_states(config, local_run, tmp_path):
+    """vLLM's extract_hidden_states (through the project's CPU connector) against the project's target."""
+    out = tmp_path / "vllm"
+    _ok(_collect(config, f"output={out}", "backend=vllm", "dtype=float32"))
+    ref_out = tmp_path / "target32"
+    _ok(_collect(config, f"output={ref_out}", "dtype=float32"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backend"] == "vllm"
+    for shard in manifest["shards"]:
+        got, ref = read_shard((out / shard["name"]).read_bytes()), read_shard((ref_out / shard["name"]).read_bytes())
+        assert torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
+        for key in ("aux_hidden", "final_hidden"):
+            scale = ref[key].abs().max().item()
+            torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5 * scale)
