@@ -178,7 +178,7 @@ def add_generated(
         if saved is None:
             began = time.perf_counter()
             prompts, stats = synthesise_prompts(get_decoder(), tokenizer, source.synthetic)
-            convs = answer_turns(get_decoder(), tokenizer, prompts, regen, follow_up=source.synthetic)
+            convs = answer_turns(get_decoder(), tokenizer, prompts, regen, source.synthetic, cfg.max_length_tokens)
             stats["seconds"] = round(time.perf_counter() - began, 1)
             save_dataset(
                 path,
@@ -202,7 +202,7 @@ def add_generated(
         saved = load_saved_dataset(path)
         if saved is None:
             began = time.perf_counter()
-            answered = answer_turns(get_decoder(), tokenizer, real, regen)
+            answered = answer_turns(get_decoder(), tokenizer, real, regen, None, cfg.max_length_tokens)
             seconds = time.perf_counter() - began
             tokens = sum(
                 len(tokenizer(m["content"])["input_ids"])

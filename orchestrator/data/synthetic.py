@@ -137,9 +137,11 @@ def answer_turns(
     conversations: list[Conversation],
     cfg: RegenerateConfig,
     follow_up: SyntheticConfig | None = None,
+    max_length_tokens: int = 2048,
 ) -> list[Conversation]:
     """Replace (or add) every assistant turn with the target's own answer, turn by turn, all conversations
-    batched; with `follow_up`, append target-written user follow-ups until it has `user_turns` turns."""
+    batched; with `follow_up`, append target-written user follow-ups until it has `user_turns` turns. A
+    conversation stops once it is `max_length_tokens` long (capture would truncate the rest anyway)."""
     users = [[m for m in c.messages if m["role"] == "user"] for c in conversations]
     systems = [[m for m in c.messages if m["role"] == "system"] for c in conversations]
     turns = max(len(u) for u in users) if follow_up is None else follow_up.user_turns
@@ -165,6 +167,14 @@ def answer_turns(
         for i in active:
             history[i].append(users[i][turn])
         texts = [tokenizer.apply_chat_template(history[i], tokenize=False, add_generation_prompt=True) for i in active]
+        budget = max_length_tokens - cfg.max_new_tokens
+        fits = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) <= budget for t in texts]
+        for i, ok in zip(active, fits, strict=True):
+            if not ok:  # full: drop this user turn and stop the conversation here
+                history[i].pop()
+                del users[i][turn:]
+        active = [i for i, ok in zip(active, fits, strict=True) if ok]
+        texts = [t for t, ok in zip(texts, fits, strict=True) if ok]
         for i, (text, _) in zip(active, _complete(decoder, tokenizer, texts, [params] * len(active)), strict=True):
             history[i].append({"role": "assistant", "content": text})
     return [Conversation(c.id, h, c.source) for c, h in zip(conversations, history, strict=True)]
