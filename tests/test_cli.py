@@ -18,6 +18,13 @@ def _aerie(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _generate_file(tmp_path, model_dir, lines: str, *extra: str) -> tuple[subprocess.CompletedProcess, object]:
+    """Run `aerie generate` as a user would, on a prompt file with `lines`; returns the process and out path."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(lines)
+    return _aerie("generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), *extra), out
+
+
 def _assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
@@ -50,20 +57,8 @@ def test_generate_local_greedy_equals_transformers(tmp_path, smollm2_dir, smollm
 
 
 def test_bad_jsonl_lines_are_reported_and_the_rest_served(tmp_path, smollm2_dir):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "The capital of France is"}\n{not json\n{"messages": []}\n{"prompt": "One, two,"}\n')
-    out = tmp_path / "out.jsonl"
-    proc = _aerie(
-        "generate",
-        "--model",
-        str(smollm2_dir),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(out),
-        "--max-tokens",
-        "4",
-    )
+    lines = '{"prompt": "The capital of France is"}\n{not json\n{"messages": []}\n{"prompt": "One, two,"}\n'
+    proc, out = _generate_file(tmp_path, smollm2_dir, lines, "--max-tokens", "4")
     _assert_one_line_error(proc, "p.jsonl:2: not valid JSON")
     assert "p.jsonl:3: 'messages' must be a non-empty list" in proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -90,9 +85,7 @@ def test_user_errors_are_one_line(args, pattern):
 
 
 def test_empty_messages_only_file_fails_cleanly(tmp_path, smollm2_dir):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"messages": []}\n')
-    proc = _aerie("generate", "--model", str(smollm2_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"))
+    proc, _ = _generate_file(tmp_path, smollm2_dir, '{"messages": []}\n')
     _assert_one_line_error(proc, "p.jsonl:1: 'messages' must be a non-empty list")
 
 
@@ -103,17 +96,5 @@ def test_prepare_model_is_idempotent(smollm2_dir):
 
 
 def test_prompt_longer_than_the_context_is_one_line(tmp_path, smollm2_dir):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "hello"}\n')
-    proc = _aerie(
-        "generate",
-        "--model",
-        str(smollm2_dir),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(tmp_path / "o"),
-        "--max-tokens",
-        "9000",
-    )
+    proc, _ = _generate_file(tmp_path, smollm2_dir, '{"prompt": "hello"}\n', "--max-tokens", "9000")
     _assert_one_line_error(proc, "exceeds the context window of 8192")

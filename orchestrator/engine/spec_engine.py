@@ -139,16 +139,17 @@ class SpecEngine:
         Returns the requests that finished in this step."""
         stats = StepStats()
         done = self._admit(stats)
-        if self.live:
+        batch = list(self.live)
+        if batch:
             began = time.perf_counter()
-            trees = self.draft_round(self.live)
+            trees = self.draft_round(batch)
             stats.draft_s = time.perf_counter() - began
             began = time.perf_counter()
-            done += self.verify_round(self.live, trees)
+            done += self.verify_round(batch, trees)
             stats.verify_s = time.perf_counter() - began
-            stats.batch_size = len(self.live) + len(done)
+            stats.batch_size = len(batch)
             stats.verified_tokens = sum(1 + t.size for t in trees)
-            for r in self.live + done:
+            for r in batch:
                 r.metrics.draft_s += stats.draft_s
                 r.metrics.verify_s += stats.verify_s
         self.live = [r for r in self.live if r.finish_reason is None]
