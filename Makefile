@@ -38,4 +38,7 @@ lint: install
 	$(VENV)/bin/ruff format --check orchestrator jobs tests
 
 benchmark: install
+	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)
+	test -d models/drafters/smollm2-untrained-eagle3.1 || $(VENV)/bin/aerie init-drafter --model $(MODEL_DIR) \
+		--out models/drafters/smollm2-untrained-eagle3.1
 	$(PY) -m jobs.benchmark_generate --config configs/smollm2-135m/benchmark_generate.yaml
