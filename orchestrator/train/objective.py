@@ -1,0 +1,128 @@
+"""The TTT objective: forward KL (soft cross-entropy) from the frozen target's distribution to the drafter's.
+
+For TTT step j, row i predicts x[i+j+2]; the target's distribution over it is its lm_head on the stored final
+(post-norm) hidden state at position i+j+1, restricted to the draft vocabulary and renormalised (see
+`vocab`). The row counts when x[i+j+2] is a loss-masked token (an assistant token) inside the sequence:
+
+    loss = sum_j  w^j * mean over counted rows of  -sum_v p_target(v) log q_draft_j(v)
+
+Top-1 accuracy per step compares the drafter's argmax with the restricted target's argmax. Since step j's
+inputs are the true tokens, acc_j estimates the chance that depth j+1 is accepted given depths 1..j were, so
+a chain of K drafts has expected acceptance length about 1 + sum_{d=1..K} prod_{j<d} acc_j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orchestrator.models.drafter import Drafter
+from orchestrator.train.ttt import unroll
+
+
+@dataclass
+class Batch:
+    """Sequences padded to [B, T]."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool
+    lengths: torch.Tensor  # [B]
+    aux_hidden: torch.Tensor  # [B, T, k*Ht]
+    final_hidden: torch.Tensor  # [B, T, Ht]
+
+    @classmethod
+    def pad(cls, sequences: list) -> Batch:
+        """HiddenStateSequence list -> padded batch (zeros after each sequence's end)."""
+        lengths = torch.tensor([s.input_ids.numel() for s in sequences])
+        t = int(lengths.max())
+
+        def stack(name: str) -> torch.Tensor:
+            parts = [getattr(s, name) for s in sequences]
+            out = parts[0].new_zeros((len(parts), t, *parts[0].shape[1:]))
+            for row, p in enumerate(parts):
+                out[row, : p.shape[0]] = p
+            return out
+
+        return cls(stack("input_ids"), stack("loss_mask"), lengths, stack("aux_hidden"), stack("final_hidden"))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass
+class StepStats:
+    """Sums over counted rows, per TTT step (add them up across batches and workers, then divide)."""
+
+    loss_sum: torch.Tensor  # [steps]
+    correct: torch.Tensor  # [steps]
+    count: torch.Tensor  # [steps]
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.stack([self.loss_sum, self.correct, self.count])
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> StepStats:
+        return cls(t[0], t[1], t[2])
+
+
+def acceptance_estimate(accuracy: list[float]) -> float:
+    """1 + sum over depths d of prod_{j<d} acc_j: the expected tokens per round of a chain this long."""
+    tau, survive = 1.0, 1.0
+    for a in accuracy:
+        survive *= a
+        tau += survive
+    return tau
+
+
+def summarise(stats: StepStats) -> dict[str, float]:
+    """Per-step mean loss and accuracy, and the chain acceptance estimate."""
+    count = stats.count.clamp_min(1)
+    loss = (stats.loss_sum / count).tolist()
+    acc = (stats.correct / count).tolist()
+    out = {f"loss_step_{j}": v for j, v in enumerate(loss)}
+    out.update({f"acc_step_{j}": v for j, v in enumerate(acc)})
+    out["acceptance_length_estimate"] = acceptance_estimate(acc)
+    return out
+
+
+def ttt_loss(
+    step_logits: list[torch.Tensor], target_logits: torch.Tensor, batch: Batch, step_weight: float
+) -> tuple[torch.Tensor, StepStats]:
+    """step_logits: per step [B, T, dv]; target_logits: [B, T, dv] (target head at every position)."""
+    b, t, _ = target_logits.shape
+    rows = torch.arange(t)
+    total = target_logits.new_zeros(())
+    sums, correct, count = [], [], []
+    for j, logits in enumerate(step_logits):
+        valid = (rows + j + 2 < batch.lengths[:, None]) & F.pad(batch.loss_mask[:, j + 2 :], (0, j + 2))  # [B, T]
+        target = F.pad(target_logits[:, j + 1 :], (0, 0, 0, j + 1))[valid].float()  # [n, dv]
+        logq = torch.log_softmax(logits[valid].float(), dim=-1)  # [n, dv]
+        per_row = -(torch.softmax(target, dim=-1) * logq).sum(-1)  # [n]
+        if per_row.numel():
+            total = total + step_weight**j * per_row.mean()
+        sums.append(per_row.detach().sum())
+        correct.append((logq.argmax(-1) == target.argmax(-1)).sum().float())
+        count.append(torch.tensor(float(per_row.numel())))
+    return total, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(count))
+
+
+class DraftTrainingModel(nn.Module):
+    """What DDP wraps: the trainable drafter plus the frozen target pieces the objective reads."""
+
+    def __init__(self, drafter: Drafter, target_embed: torch.Tensor, target_head_rows: torch.Tensor) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.embed = nn.Embedding.from_pretrained(target_embed, freeze=True)  # [vocab, H]
+        drafter.share_embedding(self.embed)
+        self.register_buffer("target_head", target_head_rows)  # [dv, Ht]: the target head's draft-vocab rows
+
+    def forward(self, batch: Batch, steps: int, step_weight: float) -> tuple[torch.Tensor, StepStats]:
+        with torch.no_grad():
+            target_logits = batch.final_hidden.to(self.target_head.dtype) @ self.target_head.T  # [B, T, dv]
+        aux = batch.aux_hidden.to(self.drafter.fc.weight.dtype)
+        step_logits = unroll(self.drafter, batch.input_ids, aux, steps)
+        return ttt_loss(step_logits, target_logits, batch, step_weight)

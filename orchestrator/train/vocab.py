@@ -1,0 +1,42 @@
+"""The draft vocabulary: the `draft_vocab_size` target tokens seen most often where the loss applies.
+
+vLLM maps draft ids to target ids with `target = draft + d2t[draft]` and marks the chosen target ids in `t2d`:
+
+    counts over loss-masked tokens: {"the": 90, ",": 80, "cat": 3, ...}, size 2  ->  ids of "the" and ","
+    ascending target ids [11, 30]  ->  d2t = [11 - 0, 30 - 1] = [11, 29]
+
+Positions whose target token lies outside the draft vocabulary still train: the drafter can never propose
+such a token, so its best possible behaviour there is the target's distribution restricted to the draft
+vocabulary and renormalised, and that is what it learns (see `objective.ttt_loss`). How often that happens is
+the vocabulary's coverage, reported with the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orchestrator.data.reader import ShardReader
+from orchestrator.errors import AerieError
+
+
+def count_tokens(location: str, vocab_size: int, split: str = "train") -> torch.Tensor:
+    """How often each target token appears at loss-masked positions of a split: [vocab] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in ShardReader(location, split, buffer_sequences=1, verify=False):
+        counts += torch.bincount(seq.input_ids[seq.loss_mask], minlength=vocab_size)
+    if counts.sum() == 0:
+        raise AerieError(f"{location}: the {split} split has no loss-masked tokens (empty dataset?)")
+    return counts
+
+
+def draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent ids (ties: lower id first), ascending: [size] int64."""
+    if not 0 < size <= counts.numel():
+        raise AerieError(f"draft_vocab_size {size} must be in 1..{counts.numel()} (the target's vocabulary)")
+    order = torch.argsort(-counts, stable=True)
+    return order[:size].sort().values
+
+
+def coverage(counts: torch.Tensor, vocab: torch.Tensor) -> float:
+    """Share of loss-masked tokens the draft vocabulary can propose."""
+    return float(counts[vocab].sum() / counts.sum())
