@@ -158,6 +158,7 @@ def add_generated(
     if not synthetic and cfg.regenerate is None:
         return conversations
     from orchestrator.engine.decode import TargetDecoder
+    from orchestrator.engine.vllm_backend import VllmGenerator
     from orchestrator.models.target import TargetModel
     from orchestrator.models.tokenizer import eos_token_ids
 
@@ -165,9 +166,12 @@ def add_generated(
     model_hash = config_sha256(model_dir)
     decoder = None
 
-    def get_decoder() -> TargetDecoder:
+    def get_decoder() -> TargetDecoder | VllmGenerator:
         nonlocal decoder
-        decoder = decoder or TargetDecoder(TargetModel.from_pretrained(model_dir), eos_token_ids(model_dir, tokenizer))
+        if decoder is None and regen.generator == "vllm":
+            decoder = VllmGenerator(model_dir, max_model_len=cfg.max_length_tokens, max_num_seqs=128)
+        elif decoder is None:
+            decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos_token_ids(model_dir, tokenizer))
         return decoder
 
     for source in synthetic:
@@ -227,6 +231,8 @@ def add_generated(
         answered, prov = saved
         conversations = answered + [c for c in conversations if c.source.startswith("synthetic")]
         provenance["regenerated"] = {"dataset": str(path), **{k: v for k, v in prov.items() if k != "regenerate"}}
+    if isinstance(decoder, VllmGenerator):
+        decoder.close()  # its engine process would compete with the capture workers
     return conversations
 
 

@@ -20,6 +20,7 @@ import logging
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -27,6 +28,7 @@ from orchestrator.config import StrictModel
 from orchestrator.data.conversations import Conversation
 from orchestrator.engine.decode import TargetDecoder
 from orchestrator.engine.sampling import SamplingParams
+from orchestrator.engine.vllm_backend import VllmGenerator
 
 log = logging.getLogger(__name__)
 MARK = "\x00AERIE_USER_TURN\x00"
@@ -58,6 +60,9 @@ class RegenerateConfig(StrictModel):
     max_new_tokens: int = Field(256, ge=1, description="per assistant turn")
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
     cache_dir: str = Field("runs/datasets", description="where regenerated datasets are kept for reuse")
+    generator: Literal["target", "vllm"] = Field(
+        "target", description="target: the project's engine; vllm: vLLM's batched engine (faster at large batches)"
+    )
 
 
 def user_turn_prefix(tokenizer, messages: list[dict]) -> str:
@@ -67,7 +72,7 @@ def user_turn_prefix(tokenizer, messages: list[dict]) -> str:
 
 
 def _complete(
-    decoder: TargetDecoder, tokenizer, texts: list[str], params: list[SamplingParams]
+    decoder: TargetDecoder | VllmGenerator, tokenizer, texts: list[str], params: list[SamplingParams]
 ) -> list[tuple[str, bool]]:
     """Continue each rendered text; returns (completion, finished with EOS) per text."""
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -81,7 +86,9 @@ def _normalise(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
-def synthesise_prompts(decoder: TargetDecoder, tokenizer, cfg: SyntheticConfig) -> tuple[list[Conversation], dict]:
+def synthesise_prompts(
+    decoder: TargetDecoder | VllmGenerator, tokenizer, cfg: SyntheticConfig
+) -> tuple[list[Conversation], dict]:
     """Magpie-style first user turns, balanced over topics; returns conversations and statistics."""
     wanted = cfg.num_conversations
     kept: list[Conversation] = []
@@ -132,7 +139,7 @@ def synthesise_prompts(decoder: TargetDecoder, tokenizer, cfg: SyntheticConfig) 
 
 
 def answer_turns(
-    decoder: TargetDecoder,
+    decoder: TargetDecoder | VllmGenerator,
     tokenizer,
     conversations: list[Conversation],
     cfg: RegenerateConfig,

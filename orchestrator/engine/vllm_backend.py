@@ -77,19 +77,24 @@ class VllmGenerator:
         values = {m.name: getattr(m, "value", 0) for m in self.llm.get_metrics() if m.name in SPEC_COUNTERS}
         return SpecCounters(*(int(values.get(name, 0)) for name in SPEC_COUNTERS))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """Generate for all prompts in one vLLM batch; results in prompt order."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Generation]:
+        """Generate for all prompts in one vLLM batch (one setting, or one per prompt); results in prompt order."""
         import vllm
 
-        vparams = vllm.SamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            stop=list(params.stop) or None,
-            ignore_eos=params.ignore_eos,
-        )
+        def convert(p: SamplingParams) -> vllm.SamplingParams:
+            return vllm.SamplingParams(
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=p.seed,
+                stop=list(p.stop) or None,
+                ignore_eos=p.ignore_eos,
+            )
+
+        vparams = convert(params) if isinstance(params, SamplingParams) else [convert(p) for p in params]
         inputs = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self.llm.generate(inputs, vparams, use_tqdm=False)
         results = []
