@@ -169,7 +169,13 @@ def add_generated(
     def get_decoder() -> TargetDecoder | VllmGenerator:
         nonlocal decoder
         if decoder is None and regen.generator == "vllm":
-            decoder = VllmGenerator(model_dir, max_model_len=cfg.max_length_tokens, max_num_seqs=128)
+            decoder = VllmGenerator(
+                model_dir,
+                max_model_len=cfg.max_length_tokens,
+                dtype=regen.vllm_dtype,
+                max_num_seqs=128,
+                per_request_seeds=False,  # vLLM draws are then not reproducible; the saved dataset is reused
+            )
         elif decoder is None:
             decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos_token_ids(model_dir, tokenizer))
         return decoder

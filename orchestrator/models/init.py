@@ -21,16 +21,29 @@ def init_drafter(
     vocab = target.vocab_size
     draft_vocab = torch.arange(vocab) if draft_vocab is None else draft_vocab.sort().values
     config = DrafterConfig.for_target(target.hf_config, target.aux_layer_ids, draft_vocab.numel(), variant, **flags)
+    head = target.embed_tokens.weight if target.tie_word_embeddings else target_head_weight(target)
+    drafter = new_drafter(config, head, target.norm.weight, draft_vocab, seed, target.dtype)
+    drafter.share_embedding(target.embed_tokens)
+    return drafter
+
+
+def new_drafter(
+    config: DrafterConfig,
+    target_head: torch.Tensor,
+    target_norm: torch.Tensor,
+    draft_vocab: torch.Tensor,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Drafter:
+    """target_head: [vocab, H] output embeddings; target_norm: [H]; draft_vocab: ascending target ids."""
     torch.manual_seed(seed)
-    drafter = Drafter(config, target.dtype)
+    drafter = Drafter(config, dtype)
     with torch.no_grad():
-        head = target.embed_tokens.weight if target.tie_word_embeddings else target_head_weight(target)
-        drafter.lm_head.weight.copy_(head[draft_vocab])
-        drafter.norm.weight.copy_(target.norm.weight)
+        drafter.lm_head.weight.copy_(target_head[draft_vocab])
+        drafter.norm.weight.copy_(target_norm)
         drafter.d2t.copy_(draft_vocab - torch.arange(draft_vocab.numel()))
         drafter.t2d.zero_()
         drafter.t2d[draft_vocab] = True
-    drafter.share_embedding(target.embed_tokens)
     return drafter
 
 

@@ -1,0 +1,21 @@
+"""Experiment tracking and the drafter registry (MLflow)."""
+
+from orchestrator.tracking.store import (
+    check_model_uri,
+    client,
+    fetch_drafter,
+    redact,
+    register_drafter,
+    resume_or_start_run,
+    tracking_uri,
+)
+
+__all__ = [
+    "check_model_uri",
+    "client",
+    "fetch_drafter",
+    "redact",
+    "register_drafter",
+    "resume_or_start_run",
+    "tracking_uri",
+]

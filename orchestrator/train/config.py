@@ -1,0 +1,100 @@
+"""`python -m jobs.train_drafter` settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from orchestrator.config import StrictModel
+
+
+class DrafterSpec(StrictModel):
+    variant: Literal["eagle3", "eagle3.1"] = Field(
+        description="eagle3, or eagle3.1 (fc_norm + norm_output); the explicit flags below override it"
+    )
+    fc_norm: bool | None = Field(None, description="RMSNorm per target hidden state before fc")
+    norm_output: bool | None = Field(None, description="feed the post-norm hidden state to the next step")
+    norm_before_fc: bool | None = Field(None, description="one RMSNorm over the concatenated aux states")
+    draft_vocab_size: int = Field(8192, ge=1, description="most frequent loss-masked target tokens")
+    num_hidden_layers: int = Field(1, ge=1)
+    init_from: str | None = Field(
+        None, description="warm start: a drafter directory, s3:// URI or models:/NAME/VERSION | models:/NAME@ALIAS"
+    )
+    seed: int = 0
+
+    def flags(self) -> dict:
+        """Explicit flag overrides on top of the variant."""
+        names = ("fc_norm", "norm_output", "norm_before_fc")
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        if self.num_hidden_layers != 1:
+            out["num_hidden_layers"] = self.num_hidden_layers
+        return out
+
+
+class OptimConfig(StrictModel):
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(50, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay ends at lr * this")
+    grad_clip: float = Field(0.5, gt=0, description="max global gradient norm")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+
+
+class WorkerConfig(StrictModel):
+    num_cpus: float = Field(1.0, ge=0)
+    use_gpu: bool = False
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per worker")
+    torch_threads: int = Field(1, ge=1)
+
+
+class CheckpointSpec(StrictModel):
+    storage_path: str = Field(
+        "runs/train", description="Ray Train storage: a local directory or s3://bucket/prefix (shared on clusters)"
+    )
+    every_steps: int = Field(100, ge=1)
+    num_to_keep: int = Field(2, ge=1)
+
+
+class MlflowSpec(StrictModel):
+    tracking_uri: str | None = Field(None, description="None: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db")
+    experiment: str = "aerie-drafters"
+    registered_model: str | None = Field(None, description="register the exported drafter under this name")
+    aliases: list[str] = Field(default_factory=list, description="aliases set on the new version, e.g. candidate")
+
+
+class TrainConfig(StrictModel):
+    """Drafter training with the EAGLE-3 training-time test on Ray Train."""
+
+    name: str = Field(description="run name: the Ray Train run (a rerun resumes it) and the MLflow run")
+    model: str = Field(description="target: a Hugging Face directory or a packaged model name")
+    models_dir: str = "models"
+    data: str = Field(description="a finished collection (local directory or s3://), see jobs.collect_hidden_states")
+    output: str = Field(description="where the vLLM-format drafter is exported: local directory or s3://")
+    drafter: DrafterSpec
+    ttt_steps: int = Field(7, ge=1, description="drafting steps unrolled per position")
+    step_weight: float = Field(0.8, gt=0, le=1, description="loss weight of step j is step_weight**j")
+    batch_tokens: int = Field(4096, ge=1, description="padded tokens per micro-batch per worker")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps")
+    max_time_minutes: float | None = Field(None, gt=0, description="training time budget (resumes included)")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast matmuls (weights stay fp32)")
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    num_workers: int = Field(1, ge=1, description="Ray Train workers (DDP: gloo on CPU, NCCL on GPU)")
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    mlflow: MlflowSpec = Field(default_factory=MlflowSpec)
+    eval_every_steps: int = Field(200, ge=1, description="validation loss/accuracy every this many steps")
+    eval_max_sequences: int = Field(64, ge=1, description="validation sequences per evaluation (per worker)")
+    log_every_steps: int = Field(10, ge=1)
+    max_failures: int = Field(0, ge=0, description="Ray Train worker-group restarts on failure")
+    ray_address: str | None = None
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _budget(self) -> TrainConfig:
+        if self.max_steps is None and self.max_time_minutes is None:
+            raise ValueError("set max_steps or max_time_minutes (or both): training needs an end")
+        if self.drafter.fc_norm and self.drafter.norm_before_fc:
+            raise ValueError("drafter.fc_norm and drafter.norm_before_fc are mutually exclusive")
+        return self

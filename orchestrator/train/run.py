@@ -1,0 +1,209 @@
+"""The training driver: check everything a user can get wrong, then Ray Train, export, MLflow.
+
+driver: target + manifest checks -> draft vocabulary -> MLflow run (resumed when unfinished)
+   └── TorchTrainer(num_workers) running loop.train_loop_per_worker (checkpoints under storage_path/name)
+driver: final checkpoint -> vLLM-format export (local or s3://) -> MLflow artifacts, plots, registry
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from orchestrator.data.storage import open_storage, upload_dir
+from orchestrator.errors import AerieError
+from orchestrator.jobrunner import init_ray
+from orchestrator.models.checkpoint import load_drafter
+from orchestrator.models.drafter import DrafterConfig
+from orchestrator.models.prepare import resolve_model
+from orchestrator.models.target import read_hf_config
+from orchestrator.tracking import client, fetch_drafter, redact, register_drafter, resume_or_start_run, tracking_uri
+from orchestrator.train.config import TrainConfig
+from orchestrator.train.loop import train_loop_per_worker
+from orchestrator.train.plots import plot_training
+from orchestrator.train.vocab import count_tokens, coverage, draft_vocab
+
+log = logging.getLogger(__name__)
+
+
+def read_manifest(location: str) -> tuple[dict, str]:
+    """The collection's manifest and its sha256; a clear error when there is none."""
+    storage = open_storage(location)
+    if not storage.exists("manifest.json"):
+        raise AerieError(f"{storage.uri()} has no manifest.json: not a finished collection (run collect_hidden_states)")
+    raw = storage.read_bytes("manifest.json")
+    return json.loads(raw), hashlib.sha256(raw).hexdigest()
+
+
+def check_data(manifest: dict, hf: dict, model_dir: Path, num_workers: int) -> None:
+    """The shards must come from this target and hold enough training data for every worker."""
+    target = manifest.get("target", {})
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        if target.get(key) != hf[key]:
+            raise AerieError(
+                f"the data's target has {key}={target.get(key)} but {model_dir.name} has {hf[key]}: "
+                "collect hidden states with this target"
+            )
+    aux = manifest.get("aux_layer_ids") or []
+    if not aux or max(aux) >= hf["num_hidden_layers"] or min(aux) < 0:
+        raise AerieError(f"the data's aux_layer_ids {aux} do not fit a target with {hf['num_hidden_layers']} layers")
+    train = manifest.get("splits", {}).get("train", {})
+    if train.get("num_loss_tokens", 0) == 0:
+        raise AerieError("the data has no training tokens with a loss (empty train split): collect more data")
+    if train.get("num_shards", 0) < num_workers:
+        raise AerieError(
+            f"{num_workers} workers need at least as many train shards, the data has {train.get('num_shards', 0)}: "
+            "lower num_workers or collect with a smaller shard_tokens"
+        )
+
+
+def _storage_path(location: str):
+    """Ray Train's storage: an absolute local path, or an S3 prefix with the same endpoint as boto3."""
+    if not location.startswith("s3://"):
+        return str(Path(location).resolve()), None
+    import os
+
+    import pyarrow.fs
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    fs = pyarrow.fs.S3FileSystem(endpoint_override=endpoint, region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+    return location[len("s3://") :], fs
+
+
+def _resolve_paths(cfg: TrainConfig) -> TrainConfig:
+    """Local paths made absolute, so workers started in another directory see the same files."""
+    updates = {}
+    if not cfg.data.startswith("s3://"):
+        updates["data"] = str(Path(cfg.data).resolve())
+    return cfg.model_copy(update=updates)
+
+
+def run_training(cfg: TrainConfig) -> dict:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    cfg = _resolve_paths(cfg)
+    model_dir = resolve_model(cfg.model, cfg.models_dir).resolve()
+    hf = read_hf_config(model_dir)
+    manifest, manifest_sha = read_manifest(cfg.data)
+    check_data(manifest, hf, model_dir, cfg.num_workers)
+    aux = tuple(manifest["aux_layer_ids"])
+    config = DrafterConfig.for_target(hf, aux, cfg.drafter.draft_vocab_size, cfg.drafter.variant, **cfg.drafter.flags())
+    uri = tracking_uri(cfg.mlflow.tracking_uri)
+    init_dir = None
+    if cfg.drafter.init_from:
+        init_dir = str(fetch_drafter(cfg.drafter.init_from, tracking=uri).resolve())
+        warm = load_drafter(init_dir).config
+        if (warm.decoder, warm.draft_vocab_size, warm.aux_layer_ids) != (
+            config.decoder,
+            config.draft_vocab_size,
+            config.aux_layer_ids,
+        ):
+            raise AerieError(f"init_from {cfg.drafter.init_from} has a different shape than the configured drafter")
+
+    counts = count_tokens(cfg.data, hf["vocab_size"])
+    vocab = draft_vocab(counts, cfg.drafter.draft_vocab_size)
+    if init_dir:
+        vocab = torch.nonzero(load_drafter(init_dir).t2d).flatten()
+    cover = coverage(counts, vocab)
+    log.info("draft vocabulary: %d tokens cover %.1f%% of loss-masked training tokens", vocab.numel(), 100 * cover)
+
+    mlflow = client(uri)
+    run_id, resumed = resume_or_start_run(mlflow, cfg.mlflow.experiment, cfg.name)
+    if not resumed:
+        params = redact(cfg.model_dump(mode="json"))
+        params.update({"variant": config.variant, "data.manifest_sha256": manifest_sha, "draft_vocab.coverage": cover})
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)) for k, v in params.items()]
+        for start in range(0, len(items), 100):
+            mlflow.log_batch(run_id, params=items[start : start + 100])
+        mlflow.set_tag(run_id, "target", model_dir.name)
+        mlflow.set_tag(run_id, "variant", config.variant)
+
+    init_ray(cfg.ray_address)
+    storage_path, filesystem = _storage_path(cfg.checkpoint.storage_path)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "train": cfg.model_dump(mode="json"),
+            "model_dir": str(model_dir),
+            "aux_layer_ids": list(aux),
+            "draft_vocab": vocab.tolist(),
+            "init_from_dir": init_dir,
+            "tracking_uri": uri,
+            "run_id": run_id,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.num_workers,
+            use_gpu=cfg.worker.use_gpu,
+            resources_per_worker={"CPU": cfg.worker.num_cpus, **cfg.worker.resources},
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+        ),
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        mlflow.set_terminated(run_id, status="FAILED")
+        raise AerieError(f"training {cfg.name} ended without a checkpoint ({result.error})")
+    with result.checkpoint.as_directory() as ckpt:
+        return _finish(cfg, Path(ckpt), mlflow, run_id, config, manifest_sha, cover, model_dir, result.metrics)
+
+
+def _finish(cfg, ckpt: Path, mlflow, run_id: str, config, manifest_sha: str, cover: float, model_dir, metrics) -> dict:
+    """Export the final drafter, log artifacts and plots, register it; returns the job result."""
+    progress = json.loads((ckpt / "progress.json").read_text())
+    exported = upload_dir(ckpt / "drafter", cfg.output) if cfg.output.startswith("s3://") else _copy(ckpt, cfg.output)
+    history = {
+        key: [(m.step, m.value) for m in mlflow.get_metric_history(run_id, key)]
+        for key in mlflow.get_run(run_id).data.metrics
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "train_config.json").write_text(json.dumps(redact(cfg.model_dump(mode="json")), indent=2))
+        mlflow.log_artifact(run_id, str(Path(tmp) / "train_config.json"))
+        plot = plot_training(history, cfg.ttt_steps, Path(tmp) / "training.png", title=f"{cfg.name} ({config.variant})")
+        mlflow.log_artifact(run_id, str(plot), "plots")
+    mlflow.log_artifacts(run_id, str(ckpt / "drafter"), "drafter")
+    final = {k: v[-1][1] for k, v in history.items()}
+    version = None
+    if cfg.mlflow.registered_model:
+        tags = {
+            "target": model_dir.name,
+            "variant": config.variant,
+            "data_manifest_sha256": manifest_sha,
+            "ttt_steps": str(cfg.ttt_steps),
+            "val_acceptance_length_estimate": f"{final.get('val_acceptance_length_estimate', float('nan')):.3f}",
+        }
+        version = register_drafter(mlflow, cfg.mlflow.registered_model, run_id, "drafter", tags, cfg.mlflow.aliases)
+    mlflow.set_terminated(run_id, status="FINISHED")
+    return {
+        "name": cfg.name,
+        "variant": config.variant,
+        "exported": exported,
+        "mlflow_run_id": run_id,
+        "registered": f"models:/{cfg.mlflow.registered_model}/{version}" if version else None,
+        "steps": progress["step"],
+        "train_minutes": round(progress["elapsed_s"] / 60, 2),
+        "tokens": progress["tokens"],
+        "draft_vocab_coverage": round(cover, 4),
+        "final_metrics": {k: round(v, 4) for k, v in sorted(final.items())},
+    }
+
+
+def _copy(ckpt: Path, output: str) -> str:
+    out = Path(output)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(ckpt / "drafter", out)
+    return str(out.resolve())
