@@ -62,14 +62,23 @@ def load_prompt_ids(cfg: BenchmarkGenerateConfig, model_dir: Path, tokenizer, eo
         if bad:
             raise AerieError(bad[0])
         return [encode_prompt(tokenizer, item) for item in items]
+    return mtbench_prompt_ids(model_dir, tokenizer, eos, cfg.num_prompts, cfg.max_tokens)
+
+
+def mtbench_prompt_ids(
+    model_dir: Path, tokenizer, eos: Sequence[int], num_questions: int, answer_tokens: int, system: str | None = None
+) -> list[list[int]]:
+    """Every first turn of the first `num_questions` MT-Bench questions, then every second turn after the
+    target's own greedy first answer (at most `answer_tokens`), optionally after a system message."""
     from orchestrator.engine.decode import TargetDecoder
     from orchestrator.models.target import TargetModel
 
-    questions = mtbench_questions()[: cfg.num_prompts]
-    firsts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+    questions = mtbench_questions()[:num_questions]
+    head = [{"role": "system", "content": system}] if system is not None else []
+    firsts = [head + [{"role": "user", "content": q["turns"][0]}] for q in questions]
     first_ids = [encode_prompt(tokenizer, PromptItem(0, messages=m)) for m in firsts]
     decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos, max_batch=16)
-    answers = decoder.generate(first_ids, SamplingParams(max_tokens=cfg.max_tokens))
+    answers = decoder.generate(first_ids, SamplingParams(max_tokens=answer_tokens))
     seconds = [
         m
         + [

@@ -134,9 +134,11 @@ class SpecEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.live)
 
+    @torch.inference_mode()
     def step(self) -> list[Request]:
         """Admit and prefill waiting requests, then one draft + verify round for every live request.
-        Returns the requests that finished in this step."""
+        Returns the requests that finished in this step. (Inference mode throughout: KV caches that grow
+        inside the models' forwards are inference tensors, and compaction updates them in place.)"""
         stats = StepStats()
         done = self._admit(stats)
         batch = list(self.live)

@@ -1,0 +1,219 @@
+"""Acceptance evaluation: drafters side by side on the same prompts, with the project's engine (greedy,
+chain and tree) and a vLLM cross-check.
+
+    prompts (sets.py) ──> for each drafter, for each method: SpecEngine greedy ──> tau per set / label,
+                                                                                   per-depth acceptance
+                      ──> vLLM (chain, same drafter, same prompts) ──> tau from vLLM's counters
+    ──> table, plots, result.json, one MLflow run
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+from pydantic import Field
+
+from orchestrator.config import StrictModel
+from orchestrator.engine.benchmark import _Acceptance
+from orchestrator.engine.sampling import SamplingParams
+from orchestrator.engine.spec_engine import SpecConfig, load_spec_engine
+from orchestrator.evaluation.plots import plot_evaluation
+from orchestrator.evaluation.sets import EvalPrompt, long_context_set, mtbench_set, template_set, validation_set
+from orchestrator.models.target import read_hf_config
+from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+from orchestrator.tracking import client, fetch_drafter, redact, tracking_uri
+
+log = logging.getLogger(__name__)
+
+
+class DrafterRef(StrictModel):
+    name: str = Field(description="column name in the report")
+    source: str = Field(description="drafter directory, s3:// prefix, or models:/NAME/VERSION | models:/NAME@ALIAS")
+
+
+class SetsConfig(StrictModel):
+    mtbench_questions: int = Field(20, ge=0, description="MT-Bench questions (two prompts each); 0 = skip")
+    validation_prompts: int = Field(24, ge=0, description="0 = skip")
+    long_context_buckets: list[int] = Field([512, 1024, 2048, 4096], description="context lengths in tokens")
+    long_context_per_bucket: int = Field(4, ge=0, description="0 = skip")
+    template_prompts: int = Field(8, ge=0, description="per template variant; 0 = skip")
+
+
+class EvalConfig(StrictModel):
+    """`python -m jobs.evaluate_drafter` settings."""
+
+    model: str = Field(description="target: a Hugging Face directory or a packaged model name")
+    models_dir: str = "models"
+    drafters: list[DrafterRef] = Field(min_length=1)
+    data: str | None = Field(None, description="collection whose validation split is evaluated (None: skip)")
+    sets: SetsConfig = Field(default_factory=SetsConfig)
+    methods: dict[str, SpecConfig] = Field(
+        default_factory=lambda: {
+            "chain-5": SpecConfig(method="chain", num_spec_tokens=5),
+            "tree": SpecConfig(method="tree", depth=5, topk=4, budget=16),
+        },
+        min_length=1,
+    )
+    max_tokens: int = Field(96, ge=1, description="tokens generated per prompt (greedy, stops at EOS)")
+    batch_size: int = Field(16, ge=1, description="requests decoded together (greedy output does not depend on it)")
+    vllm_check: bool = Field(True, description="cross-check chain tau with vLLM on the MT-Bench prompts")
+    vllm_tolerance: float = Field(0.05, ge=0, description="relative tau difference reported as a disagreement")
+    output_dir: str = Field(description="result.json, table.md and plots")
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "aerie-evaluations"
+    torch_threads: int = Field(2, ge=1)
+
+
+def build_sets(cfg: EvalConfig, model_dir: Path, tokenizer, eos) -> list[EvalPrompt]:
+    s = cfg.sets
+    prompts: list[EvalPrompt] = []
+    if s.mtbench_questions:
+        prompts += mtbench_set(model_dir, tokenizer, eos, s.mtbench_questions, cfg.max_tokens)
+    if cfg.data and s.validation_prompts:
+        prompts += validation_set(cfg.data, s.validation_prompts)
+    if s.long_context_per_bucket:
+        window = read_hf_config(model_dir).get("max_position_embeddings", 2048) - cfg.max_tokens
+        prompts += long_context_set(tokenizer, s.long_context_buckets, s.long_context_per_bucket, window)
+    if s.template_prompts:
+        prompts += template_set(tokenizer, s.template_prompts)
+    return prompts
+
+
+def _tau_by(prompts: list[EvalPrompt], generations, key) -> dict[str, dict]:
+    groups: dict[str, _Acceptance] = defaultdict(_Acceptance)
+    for p, g in zip(prompts, generations, strict=True):
+        groups[key(p)].add(g.metrics)
+    return {k: acc.summary() | {"rounds": acc.total.rounds} for k, acc in sorted(groups.items())}
+
+
+def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompts, eos) -> dict:
+    """tau per set and per (set, label) for every method, with the project's engine."""
+    params = SamplingParams(max_tokens=cfg.max_tokens)
+    out = {}
+    for method, spec in cfg.methods.items():
+        engine = load_spec_engine(model_dir, drafter_dir, spec, eos, max_batch=cfg.batch_size)
+        gens = engine.generate([p.ids for p in prompts], params)
+        out[method] = {
+            "overall": _tau_by(prompts, gens, lambda p: "all")["all"],
+            "sets": _tau_by(prompts, gens, lambda p: p.set),
+            "labels": _tau_by(prompts, gens, lambda p: f"{p.set}/{p.label}"),
+        }
+        log.info("%s %s: tau %.3f", drafter_dir.name, method, out[method]["overall"]["acceptance_length"])
+    return out
+
+
+def vllm_tau(model_dir: Path, drafter_dir: Path, k: int, prompts: list[EvalPrompt], max_tokens: int) -> float:
+    """tau from vLLM's counters over the prompts (greedy, chain of k), one vLLM batch."""
+    from orchestrator.engine.vllm_backend import VllmGenerator
+
+    window = max(len(p.ids) for p in prompts) + max_tokens + k + 8
+    gen = VllmGenerator(model_dir, drafter_dir, num_spec_tokens=k, max_model_len=window)
+    try:
+        before = gen.counters()
+        gen.generate([p.ids for p in prompts], SamplingParams(max_tokens=max_tokens))
+        return (gen.counters() - before).acceptance_length
+    finally:
+        gen.close()
+
+
+def run_evaluation(cfg: EvalConfig) -> dict:
+    import torch
+
+    from orchestrator.models.prepare import resolve_model
+
+    torch.set_num_threads(cfg.torch_threads)
+    model_dir = resolve_model(cfg.model, cfg.models_dir)
+    uri = tracking_uri(cfg.mlflow_tracking_uri)
+    drafters = {d.name: fetch_drafter(d.source, tracking=uri) for d in cfg.drafters}  # fails early if missing
+    tokenizer = load_tokenizer(model_dir)
+    eos = eos_token_ids(model_dir, tokenizer)
+    prompts = build_sets(cfg, model_dir, tokenizer, eos)
+    result = {"prompts": _count(prompts), "max_tokens": cfg.max_tokens, "drafters": {}}
+    mtbench = [p for p in prompts if p.set == "mtbench"]
+    chains = [(m, s) for m, s in cfg.methods.items() if s.method == "chain"]
+    for name, drafter_dir in drafters.items():
+        entry = {"source": next(d.source for d in cfg.drafters if d.name == name)}
+        entry["engine"] = evaluate_drafter(cfg, model_dir, drafter_dir, prompts, eos)
+        if cfg.vllm_check and mtbench and chains:
+            method, spec = chains[0]
+            ours = entry["engine"][method]["sets"]["mtbench"]
+            theirs = vllm_tau(model_dir, drafter_dir, spec.num_spec_tokens, mtbench, cfg.max_tokens)
+            diff = abs(theirs - ours["acceptance_length"]) / ours["acceptance_length"]
+            entry["vllm_check"] = {
+                "method": method,
+                "set": "mtbench",
+                "engine_tau": ours["acceptance_length"],
+                "vllm_tau": round(theirs, 4),
+                "relative_difference": round(diff, 4),
+                "agrees": diff <= cfg.vllm_tolerance,
+            }
+        result["drafters"][name] = entry
+    return _report(cfg, result)
+
+
+def _count(prompts: list[EvalPrompt]) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for p in prompts:
+        counts[p.set] += 1
+    return dict(counts)
+
+
+def format_table(result: dict) -> str:
+    """Markdown: one row per (set, method), one column per drafter."""
+    names = list(result["drafters"])
+    first = result["drafters"][names[0]]["engine"]
+    rows = ["| set | method | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for method in first:
+        keys = ["all", *first[method]["sets"], *first[method]["labels"]]
+        for key in dict.fromkeys(keys):
+            cells = []
+            for n in names:
+                e = result["drafters"][n]["engine"][method]
+                s = e["overall"] if key == "all" else e["sets"].get(key) or e["labels"].get(key)
+                cells.append(f"{s['acceptance_length']:.3f}")
+            rows.append(f"| {key} | {method} | " + " | ".join(cells) + " |")
+    for n in names:
+        check = result["drafters"][n].get("vllm_check")
+        if check:
+            verdict = "agree" if check["agrees"] else "DIFFER by more than the tolerance"
+            rows.append(
+                f"\nvLLM cross-check {n} ({check['method']}, {check['set']}): engine {check['engine_tau']:.3f}, "
+                f"vLLM {check['vllm_tau']:.3f} ({100 * check['relative_difference']:.1f}%: {verdict})"
+            )
+    return "\n".join(rows)
+
+
+def _report(cfg: EvalConfig, result: dict) -> dict:
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_table(result)
+    (out / "table.md").write_text(table + "\n")
+    plots = plot_evaluation(result, out)
+    result["plots"] = [str(p) for p in plots]
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    mlflow = client(cfg.mlflow_tracking_uri)
+    exp = mlflow.get_experiment_by_name(cfg.mlflow_experiment)
+    exp_id = exp.experiment_id if exp else mlflow.create_experiment(cfg.mlflow_experiment)
+    run = mlflow.create_run(exp_id, run_name="evaluate " + " vs ".join(result["drafters"]))
+    from mlflow.entities import Metric, Param
+
+    params = [Param(k, v) for k, v in redact(cfg.model_dump(mode="json")).items()]
+    metrics = []
+    for name, entry in result["drafters"].items():
+        for method, e in entry["engine"].items():
+            metrics.append(Metric(f"tau.{name}.{method}.all", e["overall"]["acceptance_length"], 0, 0))
+            for key, s in {**e["sets"], **e["labels"]}.items():
+                safe = key.replace("<=", "le").replace(" ", "_")
+                metrics.append(Metric(f"tau.{name}.{method}.{safe}", s["acceptance_length"], 0, 0))
+        if "vllm_check" in entry:
+            metrics.append(Metric(f"tau_vllm.{name}.mtbench", entry["vllm_check"]["vllm_tau"], 0, 0))
+    mlflow.log_batch(run.info.run_id, metrics=metrics, params=params[:100])
+    mlflow.log_artifacts(run.info.run_id, str(out))
+    mlflow.set_terminated(run.info.run_id)
+    result["mlflow_run_id"] = run.info.run_id
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(table)
+    return result

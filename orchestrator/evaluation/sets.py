@@ -1,0 +1,113 @@
+"""Evaluation prompt sets, as token ids with a label each.
+
+mtbench      both turns (second turns after the target's own greedy first answer)
+validation   the collection's held-out conversations, cut where the first assistant answer begins
+long_context MT-Bench first turns after earlier chitchat conversations, filled up to a context bucket:
+             [user, assistant, user, ... (earlier talk, ~bucket tokens)] + [user: question]
+templates    MT-Bench first turns under system prompts and chat templates not used in training
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.data.conversations import LoadReport, load_chitchat
+from orchestrator.data.prompts import mtbench_questions
+from orchestrator.data.reader import ShardReader
+from orchestrator.data.templates import LLAMA3_TEMPLATE
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].capitalize() + ': ' + m['content'] + '\\n\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+# Variants unlike the training data (which used the default system prompt and three others under ChatML).
+TEMPLATE_VARIANTS: dict[str, tuple[str | None, str | None]] = {
+    "chatml-default": (None, None),
+    "chatml-pirate": ("You are a pirate. Answer every question in pirate speak.", None),
+    "chatml-reviewer": ("You are a meticulous senior engineer. Be precise and critical.", None),
+    "chatml-empty-system": ("", None),
+    "llama3-template": (None, LLAMA3_TEMPLATE),
+    "plain-template": (None, PLAIN_TEMPLATE),
+}
+
+
+@dataclass
+class EvalPrompt:
+    set: str
+    label: str  # bucket / template variant / turn
+    ids: list[int]
+
+
+def _render(tokenizer, messages: list[dict], template: str | None = None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def mtbench_set(model_dir: Path, tokenizer, eos: Sequence[int], num_questions: int, answer_tokens: int) -> list:
+    from orchestrator.engine.benchmark import mtbench_prompt_ids
+
+    ids = mtbench_prompt_ids(model_dir, tokenizer, eos, num_questions, answer_tokens)
+    half = len(ids) // 2
+    return [EvalPrompt("mtbench", "turn 1" if i < half else "turn 2", p) for i, p in enumerate(ids)]
+
+
+def validation_set(data: str, num_prompts: int) -> list[EvalPrompt]:
+    """Held-out conversations up to their first assistant token (as collected: template and system prompt)."""
+    out = []
+    for seq in ShardReader(data, "validation", buffer_sequences=1):
+        first = seq.loss_mask.nonzero()
+        if len(first) and int(first[0]) > 0:
+            out.append(EvalPrompt("validation", "held-out", seq.input_ids[: int(first[0])].tolist()))
+        if len(out) >= num_prompts:
+            break
+    return out
+
+
+def long_context_set(tokenizer, buckets: Sequence[int], per_bucket: int, window: int) -> list[EvalPrompt]:
+    """Per bucket, `per_bucket` questions after earlier conversations filling the context up to the bucket."""
+    chats = load_chitchat(LoadReport())
+    questions = mtbench_questions()
+    out, source = [], 0
+    for bucket in buckets:
+        if bucket >= window:
+            continue
+        for q in range(per_bucket):
+            question = [{"role": "user", "content": questions[(q * 7 + bucket) % len(questions)]["turns"][0]}]
+            history: list[dict] = []
+            while True:
+                turns = [m for m in chats[source % len(chats)].messages if m["role"] in ("user", "assistant")]
+                source += 1
+                grown = history
+                for m in turns:
+                    candidate = grown + [m]
+                    if len(_render(tokenizer, _alternating(candidate) + question)) > bucket:
+                        break
+                    grown = candidate
+                if grown == history:
+                    break
+                history = grown
+            out.append(EvalPrompt("long_context", f"<={bucket}", _render(tokenizer, _alternating(history) + question)))
+    return out
+
+
+def _alternating(messages: list[dict]) -> list[dict]:
+    """Drop turns so roles alternate and the history ends with the assistant (the question follows)."""
+    out: list[dict] = []
+    for m in messages:
+        if (not out and m["role"] == "user") or (out and m["role"] != out[-1]["role"]):
+            out.append(m)
+    if out and out[-1]["role"] == "user":
+        out.pop()
+    return out
+
+
+def template_set(tokenizer, num_prompts: int) -> list[EvalPrompt]:
+    out = []
+    for name, (system, template) in TEMPLATE_VARIANTS.items():
+        for q in mtbench_questions()[:num_prompts]:
+            messages = [{"role": "system", "content": system}] if system is not None else []
+            messages.append({"role": "user", "content": q["turns"][0]})
+            out.append(EvalPrompt("templates", name, _render(tokenizer, messages, template)))
+    return out

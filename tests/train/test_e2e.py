@@ -1,0 +1,194 @@
+"""Collection -> training (two Ray Train workers, killed and resumed) -> export -> MLflow registry ->
+evaluation, on a tiny random target that speaks SmolLM2's tokenizer; and clear errors before training."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.data.conversations import LoadReport, load_chitchat
+from tests.helpers import write_tiny_llama
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _job(module: str, config: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", f"jobs.{module}", "--config", str(config), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, and 24 chitchat conversations collected."""
+    root = tmp_path_factory.mktemp("e2e")
+    tiny = write_tiny_llama(root / "tiny-chat", vocab_size=49152, max_position_embeddings=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(smollm2_dir / name, tiny / name)
+    convs = load_chitchat(LoadReport())[:24]
+    (root / "data.jsonl").write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in convs))
+    collect = {
+        "model": str(tiny),
+        "sources": [{"kind": "jsonl", "path": str(root / "data.jsonl")}],
+        "validation_fraction": 0.2,
+        "templates": [{"name": "chatml"}],
+        "max_length_tokens": 256,
+        "shard_tokens": 1200,
+        "batch_tokens": 2048,
+        "measure_baseline": False,
+        "output": str(root / "data"),
+    }
+    (root / "collect.yaml").write_text(json.dumps(collect))
+    _ok(_job("collect_hidden_states", root / "collect.yaml"))
+    train = {
+        "name": "tiny",
+        "model": str(tiny),
+        "data": str(root / "data"),
+        "output": str(root / "drafter"),
+        "drafter": {"variant": "eagle3.1", "draft_vocab_size": 512},
+        "ttt_steps": 3,
+        "batch_tokens": 512,
+        "max_steps": 40,
+        "optim": {"warmup_steps": 2, "lr": 1e-3},
+        "num_workers": 2,
+        "checkpoint": {"storage_path": str(root / "ckpt"), "every_steps": 2},
+        "mlflow": {
+            "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+            "registered_model": "tiny-drafter",
+            "aliases": ["candidate"],
+        },
+        "eval_every_steps": 10,
+        "log_every_steps": 2,
+    }
+    (root / "train.yaml").write_text(json.dumps(train))
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(root) -> dict:
+    """Start training, SIGKILL the whole job once a checkpoint exists, then rerun it to completion."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train_drafter", "--config", str(root / "train.yaml")],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 600
+    while not list((root / "ckpt" / "tiny").glob("checkpoint_*")):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (root / "drafter").exists(), "the first attempt finished before it could be stopped"
+    _ok(_job("train_drafter", root / "train.yaml"))
+    return json.loads((root / "drafter" / "result.json").read_text())
+
+
+def test_training_resumes_exports_and_registers(root, trained):
+    from mlflow import MlflowClient
+
+    from orchestrator.models.checkpoint import load_drafter
+
+    assert trained["steps"] == 40
+    assert 2 <= trained["final_metrics"]["resumed_from_step"] < 40
+    assert trained["registered"] == "models:/tiny-drafter/1"
+    drafter = load_drafter(root / "drafter")  # the vLLM layout, read with safetensors only
+    assert drafter.config.variant == "eagle3.1" and drafter.config.draft_vocab_size == 512
+    # the tiny target is random, but its distribution is learnable: the drafter gets better than its start
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    run = client.get_run(trained["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    history = [m.value for m in client.get_metric_history(run.info.run_id, "loss_step_0")]
+    assert history[-1] < history[0]
+    assert run.data.params["drafter.variant"] == "eagle3.1" and run.data.params["num_workers"] == "2"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"drafter", "plots", "train_config.json"} <= artifacts
+    version = client.get_model_version_by_alias("tiny-drafter", "candidate")
+    assert version.tags["variant"] == "eagle3.1" and len(version.tags["data_manifest_sha256"]) == 64
+
+
+def test_evaluation_reads_the_registry_and_reports_every_set(root, trained):
+    cfg = {
+        "model": str(root / "tiny-chat"),
+        "drafters": [
+            {"name": "dir", "source": str(root / "drafter")},
+            {"name": "registry", "source": "models:/tiny-drafter@candidate"},
+        ],
+        "data": str(root / "data"),
+        "sets": {
+            "mtbench_questions": 2,
+            "validation_prompts": 2,
+            "long_context_buckets": [256, 512],
+            "long_context_per_bucket": 1,
+            "template_prompts": 1,
+        },
+        "methods": {"chain-3": {"method": "chain", "num_spec_tokens": 3}, "tree": {"method": "tree", "depth": 3}},
+        "max_tokens": 12,
+        "vllm_check": False,  # vLLM's CPU attention has no kernel for this tiny head size (16)
+        "output_dir": str(root / "eval"),
+        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+    }
+    (root / "eval.yaml").write_text(json.dumps(cfg))
+    _ok(_job("evaluate_drafter", root / "eval.yaml"))
+    result = json.loads((root / "eval" / "result.json").read_text())
+    assert result["prompts"] == {"mtbench": 4, "validation": 2, "long_context": 2, "templates": 6}
+    by_dir, by_registry = result["drafters"]["dir"]["engine"], result["drafters"]["registry"]["engine"]
+    assert by_dir == by_registry  # the same drafter, fetched two ways
+    for method in ("chain-3", "tree"):
+        assert set(by_dir[method]["sets"]) == {"mtbench", "validation", "long_context", "templates"}
+        assert 1.0 <= by_dir[method]["overall"]["acceptance_length"] <= 4.0
+    assert {Path(p).name for p in result["plots"]} == {
+        "tau_by_context.png",
+        "per_depth_acceptance.png",
+        "tau_by_template.png",
+    }
+
+
+@pytest.mark.parametrize(
+    ("edit", "overrides", "message"),
+    [
+        ({"target.hidden_size": 32}, [], "the data's target has hidden_size=32"),
+        ({"aux_layer_ids": [1, 2, 40]}, [], "aux_layer_ids [1, 2, 40] do not fit"),
+        ({"splits.train.num_loss_tokens": 0}, [], "empty train split"),
+        ({}, ["drafter.variant=eagle4"], "drafter.variant: Input should be 'eagle3' or 'eagle3.1'"),
+        ({}, ["drafter.init_from=models:/no-such-drafter@prod"], "models:/no-such-drafter@prod is not in the model"),
+        ({}, ["num_workers=9"], "9 workers need at least as many train shards"),
+    ],
+    ids=["hidden-size", "layer-ids", "empty", "variant", "registry", "workers"],
+)
+def test_bad_input_fails_before_training(root, tmp_path, edit, overrides, message):
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    for dotted, value in edit.items():
+        *path, last = dotted.split(".")
+        node = manifest
+        for key in path:
+            node = node[key]
+        node[last] = value
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    proc = _job(
+        "train_drafter", root / "train.yaml", f"data={data}", f"checkpoint.storage_path={tmp_path}/c", *overrides
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "c").exists()

@@ -1,0 +1,41 @@
+"""Draft vocabulary selection and what may reach MLflow params."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.errors import AerieError
+from orchestrator.models.drafter import Drafter, DrafterConfig
+from orchestrator.tracking import redact
+from orchestrator.train.vocab import coverage, draft_vocab
+from tests.helpers import TINY_LLAMA
+
+
+def test_draft_vocab_takes_the_most_frequent_ids_ascending_and_maps_like_vllm():
+    counts = torch.tensor([0, 5, 9, 1, 9, 0, 7])
+    vocab = draft_vocab(counts, 3)
+    assert vocab.tolist() == [2, 4, 6]  # 9, 9, 7; ties by lower id
+    assert coverage(counts, vocab) == pytest.approx(25 / 31)
+    config = DrafterConfig.for_target(TINY_LLAMA, (1, 4, 5), draft_vocab_size=3)
+    drafter = Drafter(config)
+    drafter.d2t.copy_(vocab - torch.arange(3))  # as init.new_drafter sets it
+    assert drafter.to_target_ids(torch.arange(3)).tolist() == [2, 4, 6]
+    with pytest.raises(AerieError, match="draft_vocab_size 8 must be in 1..7"):
+        draft_vocab(counts, 8)
+
+
+def test_redact_flattens_and_hides_secrets():
+    params = redact(
+        {
+            "mlflow": {"tracking_uri": "https://alice:hunter2@mlflow.example.com/", "experiment": "x"},
+            "aws_secret_access_key": "abc",
+            "api_key": "",
+            "hf_token": "tok",
+            "output": "s3://bucket/drafters",
+        }
+    )
+    assert params["mlflow.tracking_uri"] == "https://***@mlflow.example.com/"
+    assert params["aws_secret_access_key"] == "***" and params["hf_token"] == "***"
+    assert params["api_key"] == "" and params["output"] == "s3://bucket/drafters"
+    assert "hunter2" not in str(params)
