@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/python -m pip
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: install demo test test-fast lint benchmark
+.PHONY: install demo test test-fast lint benchmark drafters
 
 install: $(VENV)/.installed
 
@@ -42,3 +42,13 @@ benchmark: install
 	test -d models/drafters/smollm2-untrained-eagle3.1 || $(VENV)/bin/aerie init-drafter --model $(MODEL_DIR) \
 		--out models/drafters/smollm2-untrained-eagle3.1
 	$(PY) -m jobs.benchmark_generate --config configs/smollm2-135m/benchmark_generate.yaml
+
+# The SmolLM2 drafter pipeline: regenerate + collect, train EAGLE-3 and EAGLE-3.1 (same data and budget,
+# one after the other), evaluate them side by side.
+drafters: install
+	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)
+	$(PY) -m jobs.collect_hidden_states --config configs/smollm2-135m/collect.yaml
+	$(PY) -m jobs.train_drafter --config configs/smollm2-135m/train.yaml mlflow.aliases=[candidate,eagle3-1]
+	$(PY) -m jobs.train_drafter --config configs/smollm2-135m/train.yaml name=smollm2-eagle3 \
+		drafter.variant=eagle3 output=models/drafters/smollm2-eagle3 mlflow.aliases=[eagle3]
+	$(PY) -m jobs.evaluate_drafter --config configs/smollm2-135m/evaluate.yaml
