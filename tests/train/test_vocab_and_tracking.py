@@ -39,3 +39,19 @@ def test_redact_flattens_and_hides_secrets():
     assert params["aws_secret_access_key"] == "***" and params["hf_token"] == "***"
     assert params["api_key"] == "" and params["output"] == "s3://bucket/drafters"
     assert "hunter2" not in str(params)
+
+
+def test_learning_rate_warms_up_then_decays_over_the_budget():
+    from orchestrator.train.config import TrainConfig
+    from orchestrator.train.loop import lr_factor
+
+    base = {"name": "x", "model": "m", "data": "d", "output": "o", "drafter": {"variant": "eagle3"}}
+    by_steps = TrainConfig.model_validate(base | {"max_steps": 110, "optim": {"warmup_steps": 10}})
+    assert [round(lr_factor(by_steps, s, 0.0), 3) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert lr_factor(by_steps, 10, 0.0) == 1.0
+    assert lr_factor(by_steps, 60, 0.0) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
+    assert lr_factor(by_steps, 110, 0.0) == pytest.approx(0.1)
+    by_time = TrainConfig.model_validate(base | {"max_time_minutes": 10, "optim": {"warmup_steps": 0}})
+    assert lr_factor(by_time, 1000, 300.0) == pytest.approx(0.55)
+    with pytest.raises(ValueError, match="set max_steps or max_time_minutes"):
+        TrainConfig.model_validate(base)
