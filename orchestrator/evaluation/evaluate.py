@@ -109,7 +109,7 @@ def vllm_tau(model_dir: Path, drafter_dir: Path, k: int, prompts: list[EvalPromp
     """tau from vLLM's counters over the prompts (greedy, chain of k), one vLLM batch."""
     from orchestrator.engine.vllm_backend import VllmGenerator
 
-    window = max(len(p.ids) for p in prompts) + max_tokens + k + 8
+    window = max(256, max(len(p.ids) for p in prompts) + max_tokens + k + 64)
     gen = VllmGenerator(model_dir, drafter_dir, num_spec_tokens=k, max_model_len=window)
     try:
         before = gen.counters()
