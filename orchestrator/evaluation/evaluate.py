@@ -102,7 +102,19 @@ def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompt
             "labels": _tau_by(prompts, gens, lambda p: f"{p.set}/{p.label}"),
         }
         log.info("%s %s: tau %.3f", drafter_dir.name, method, out[method]["overall"]["acceptance_length"])
+    out["draft_vocab_coverage"] = _coverage(engine.proposer.drafter.t2d, prompts, gens)
     return out
+
+
+def _coverage(t2d, prompts: list[EvalPrompt], generations) -> dict[str, float]:
+    """Share of the target's generated tokens that the draft vocabulary contains, per set: a ceiling on
+    acceptance (a token outside it can never be drafted)."""
+    inside: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for p, g in zip(prompts, generations, strict=True):
+        ids = g.token_ids
+        inside[p.set][0] += int(t2d[ids].sum()) if ids else 0
+        inside[p.set][1] += len(ids)
+    return {k: round(a / max(n, 1), 4) for k, (a, n) in inside.items()}
 
 
 def vllm_tau(model_dir: Path, drafter_dir: Path, k: int, prompts: list[EvalPrompt], max_tokens: int) -> float:
@@ -166,7 +178,7 @@ def format_table(result: dict) -> str:
     names = list(result["drafters"])
     first = result["drafters"][names[0]]["engine"]
     rows = ["| set | method | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-    for method in first:
+    for method in (m for m in first if m != "draft_vocab_coverage"):
         keys = ["all", *first[method]["sets"], *first[method]["labels"]]
         for key in dict.fromkeys(keys):
             cells = []
@@ -175,6 +187,9 @@ def format_table(result: dict) -> str:
                 s = e["overall"] if key == "all" else e["sets"].get(key) or e["labels"].get(key)
                 cells.append(f"{s['acceptance_length']:.3f}")
             rows.append(f"| {key} | {method} | " + " | ".join(cells) + " |")
+    for key in first["draft_vocab_coverage"]:
+        cells = [f"{result['drafters'][n]['engine']['draft_vocab_coverage'][key]:.3f}" for n in names]
+        rows.append(f"| {key} | draft-vocab coverage of the output | " + " | ".join(cells) + " |")
     for n in names:
         check = result["drafters"][n].get("vllm_check")
         if check:
@@ -204,6 +219,8 @@ def _report(cfg: EvalConfig, result: dict) -> dict:
     metrics = []
     for name, entry in result["drafters"].items():
         for method, e in entry["engine"].items():
+            if method == "draft_vocab_coverage":
+                continue
             metrics.append(Metric(f"tau.{name}.{method}.all", e["overall"]["acceptance_length"], 0, 0))
             for key, s in {**e["sets"], **e["labels"]}.items():
                 safe = key.replace("<=", "le").replace(" ", "_")

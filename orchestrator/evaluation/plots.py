@@ -17,7 +17,7 @@ def _plt():
 def plot_evaluation(result: dict, out: Path) -> list[Path]:
     plt = _plt()
     drafters = result["drafters"]
-    methods = list(next(iter(drafters.values()))["engine"])
+    methods = [m for m in next(iter(drafters.values()))["engine"] if m != "draft_vocab_coverage"]
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
