@@ -55,3 +55,20 @@ def test_learning_rate_warms_up_then_decays_over_the_budget():
     assert lr_factor(by_time, 1000, 300.0) == pytest.approx(0.55)
     with pytest.raises(ValueError, match="set max_steps or max_time_minutes"):
         TrainConfig.model_validate(base)
+
+
+def test_batches_pack_pad_budget_cut_long_sequences_and_flush_the_rest():
+    from orchestrator.data.reader import HiddenStateSequence
+    from orchestrator.train.loop import batches
+    from orchestrator.train.state import DataPosition
+
+    def seq(n: int) -> HiddenStateSequence:
+        return HiddenStateSequence(
+            f"c{n}", torch.arange(n), torch.ones(n, dtype=torch.bool), torch.zeros(n, 2), torch.zeros(n, 1)
+        )
+
+    stream = ((seq(n), DataPosition(0, k + 1)) for k, n in enumerate([3, 4, 2, 9, 5]))
+    out = list(batches(stream, batch_tokens=8))
+    # [3, 4] -> 2 x 4 = 8 fits; +2 would be 3 x 4 = 12; [2] then 9 (cut to 8) would be 2 x 8; [8] alone; [5]
+    assert [[s.input_ids.numel() for s in group] for group, _ in out] == [[3, 4], [2], [8], [5]]
+    assert [pos.consumed for _, pos in out] == [2, 3, 4, 5]  # where a resumed stream continues
