@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,3 +42,40 @@ def chat_prompts(smollm2_tokenizer) -> list[list[int]]:
     from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_first_turns
 
     return [encode_prompt(smollm2_tokenizer, PromptItem(0, messages=r["messages"])) for r in mtbench_first_turns(8)]
+
+
+@pytest.fixture(scope="session")
+def s3_env():
+    """moto's S3 server on a free loopback port, with a bucket."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket="aerie-test")
+            break
+        except Exception:  # noqa: BLE001 (server still starting)
+            time.sleep(0.1)
+    yield env, client
+    server.terminate()
+    server.wait(timeout=10)

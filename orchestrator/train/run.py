@@ -68,11 +68,16 @@ def _storage_path(location: str):
     if not location.startswith("s3://"):
         return str(Path(location).resolve()), None
     import os
+    from urllib.parse import urlparse
 
     import pyarrow.fs
 
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    fs = pyarrow.fs.S3FileSystem(endpoint_override=endpoint, region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+    extra = {}
+    if endpoint:
+        url = urlparse(endpoint)
+        extra = {"endpoint_override": url.netloc or url.path, "scheme": url.scheme or "https"}
+    fs = pyarrow.fs.S3FileSystem(region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), **extra)
     return location[len("s3://") :], fs
 
 

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -67,43 +66,6 @@ def local_run(config, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("local")
     _ok(_collect(config, f"output={out}", "measure_baseline=true"))
     return out
-
-
-@pytest.fixture(scope="module")
-def s3_env():
-    """moto's S3 server on a free loopback port, with a bucket."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    for _ in range(100):
-        try:
-            client.create_bucket(Bucket="aerie-test")
-            break
-        except Exception:  # noqa: BLE001 (server still starting)
-            time.sleep(0.1)
-    yield env, client
-    server.terminate()
-    server.wait(timeout=10)
 
 
 def test_manifest_and_counts(local_run):

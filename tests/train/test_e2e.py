@@ -21,13 +21,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _job(module: str, config: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _job(module: str, config: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", f"jobs.{module}", "--config", str(config), *overrides],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=900,
         cwd=REPO,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -161,6 +162,35 @@ def test_evaluation_reads_the_registry_and_reports_every_set(root, trained):
         "per_depth_acceptance.png",
         "tau_by_template.png",
     }
+
+
+def test_s3_data_checkpoints_and_export(root, trained, s3_env, monkeypatch):
+    """Shards read from S3, Ray Train checkpoints and the exported drafter written to S3 (moto on loopback)."""
+    from orchestrator.data.storage import download_prefix, upload_dir
+    from orchestrator.models.checkpoint import load_drafter
+
+    env, client = s3_env
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    upload_dir(root / "data", "s3://aerie-test/e2e-data")
+    proc = _job(
+        "train_drafter",
+        root / "train.yaml",
+        "name=tiny-s3",
+        "data=s3://aerie-test/e2e-data",
+        "output=s3://aerie-test/e2e-drafter",
+        "checkpoint.storage_path=s3://aerie-test/e2e-ckpt",
+        "num_workers=1",
+        "max_steps=4",
+        "mlflow.registered_model=null",
+        env=env,
+    )
+    _ok(proc)
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="aerie-test", Prefix="e2e-ckpt/tiny-s3/")["Contents"]]
+    assert any(k.endswith("/drafter/model.safetensors") for k in keys), keys
+    assert any(k.endswith("/optimizer.safetensors") for k in keys), keys
+    drafter = load_drafter(download_prefix("s3://aerie-test/e2e-drafter", root / "from-s3"))
+    assert drafter.config.draft_vocab_size == 512
 
 
 @pytest.mark.parametrize(
