@@ -138,13 +138,7 @@ def train_loop_per_worker(config: dict) -> None:
         cfg, Path(config["model_dir"]), vocab, tuple(config["aux_layer_ids"]), config.get("init_from_dir")
     )
     drafter = model.drafter
-    decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in drafter.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr,
-        betas=cfg.optim.betas,
-    )
+    optimizer = make_optimizer(drafter, cfg)
     progress, position = Progress(), DataPosition()
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
@@ -180,8 +174,8 @@ def train_loop_per_worker(config: dict) -> None:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         for micro in range(cfg.optim.grad_accum_steps):
-            group, position = next(stream)
-            batch = _to(Batch.pad(group), device)
+            seqs, position = next(stream)
+            batch = _to(Batch.pad(seqs), device)
             sync = micro == cfg.optim.grad_accum_steps - 1 or not hasattr(model, "no_sync")
             with nullcontext() if sync else model.no_sync(), autocast():
                 loss, stats = model(batch, cfg.ttt_steps, cfg.step_weight)
@@ -193,18 +187,9 @@ def train_loop_per_worker(config: dict) -> None:
         progress.step += 1
         progress.elapsed_s = _agreed_elapsed(time.perf_counter() - began)
         if progress.step % cfg.log_every_steps == 0 or _finished(cfg, progress):
-            reduced = _allreduce(torch.cat([window.flatten(), torch.tensor([float(window_tokens)])]))
-            tokens = int(reduced[-1])
+            metrics, tokens = window_metrics(cfg, window, window_tokens, time.perf_counter() - window_began)
             progress.tokens += tokens
-            metrics = summarise(StepStats.from_tensor(reduced[:-1].view(3, cfg.ttt_steps)))
-            metrics.update(
-                loss=float(sum(cfg.step_weight**j * metrics[f"loss_step_{j}"] for j in range(cfg.ttt_steps))),
-                lr=lr,
-                grad_norm=float(grad_norm),
-                tokens_per_s=tokens / max(time.perf_counter() - window_began, 1e-9),
-                tokens_total=progress.tokens,
-                epoch=position.epoch,
-            )
+            metrics.update(lr=lr, grad_norm=float(grad_norm), tokens_total=progress.tokens, epoch=position.epoch)
             log(metrics, progress.step)
             window.zero_()
             window_tokens, window_began = 0, time.perf_counter()
@@ -212,6 +197,27 @@ def train_loop_per_worker(config: dict) -> None:
             log(evaluate(model, cfg, rank, world, device, autocast), progress.step)
         if progress.step % cfg.checkpoint.every_steps == 0 or _finished(cfg, progress):
             save({"step": progress.step, "elapsed_s": progress.elapsed_s})
+
+
+def make_optimizer(drafter, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms)."""
+    decay = [p for p in drafter.parameters() if p.ndim >= 2]
+    no_decay = [p for p in drafter.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.optim.lr,
+        betas=cfg.optim.betas,
+    )
+
+
+def window_metrics(cfg: TrainConfig, window: torch.Tensor, tokens: int, seconds: float) -> tuple[dict, int]:
+    """The logging window's per-step sums [3, steps] and token count, summed over workers, summarised."""
+    reduced = _allreduce(torch.cat([window.flatten(), torch.tensor([float(tokens)])]))
+    tokens = int(reduced[-1])
+    metrics = summarise(StepStats.from_tensor(reduced[:-1].view(3, cfg.ttt_steps)))
+    metrics["loss"] = float(sum(cfg.step_weight**j * metrics[f"loss_step_{j}"] for j in range(cfg.ttt_steps)))
+    metrics["tokens_per_s"] = tokens / max(seconds, 1e-9)
+    return metrics, tokens
 
 
 def _finished(cfg: TrainConfig, progress: Progress) -> bool:
