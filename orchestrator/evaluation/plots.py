@@ -14,6 +14,16 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, ax, title: str, ylabel: str, path: Path) -> Path:
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_evaluation(result: dict, out: Path) -> list[Path]:
     plt = _plt()
     drafters = result["drafters"]
@@ -35,13 +45,9 @@ def plot_evaluation(result: dict, out: Path) -> list[Path]:
     if ax.lines:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (tokens, bucket upper bound)")
-        ax.set_ylabel("acceptance length tau")
-        ax.set_title("tau by context length")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "tau_by_context.png")
-        fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+        paths.append(_save(plt, fig, ax, "tau by context length", "acceptance length tau", out / "tau_by_context.png"))
+    else:
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, entry in drafters.items():
@@ -49,14 +55,9 @@ def plot_evaluation(result: dict, out: Path) -> list[Path]:
             rates = entry["engine"][method]["overall"]["per_depth_acceptance"]
             ax.plot(range(1, len(rates) + 1), rates, "o-", label=f"{name} {method}")
     ax.set_xlabel("draft depth")
-    ax.set_ylabel("share of rounds accepting at least this deep")
     ax.set_ylim(0, 1)
-    ax.set_title("per-depth acceptance (all prompts)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "per_depth_acceptance.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    rate = "share of rounds accepting at least this deep"
+    paths.append(_save(plt, fig, ax, "per-depth acceptance (all prompts)", rate, out / "per_depth_acceptance.png"))
 
     variants = sorted(
         {
@@ -75,11 +76,6 @@ def plot_evaluation(result: dict, out: Path) -> list[Path]:
             ys = [labels[f"templates/{v}"]["acceptance_length"] for v in variants]
             ax.bar([x + i * width for x in range(len(variants))], ys, width, label=f"{name} {method}")
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(variants))], variants, rotation=20, fontsize=8)
-        ax.set_ylabel("acceptance length tau")
-        ax.set_title("tau by template variant")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "tau_by_template.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        path = out / "tau_by_template.png"
+        paths.append(_save(plt, fig, ax, "tau by template variant", "acceptance length tau", path))
     return paths

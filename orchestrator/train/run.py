@@ -101,10 +101,11 @@ def run_training(cfg: TrainConfig) -> dict:
     aux = tuple(manifest["aux_layer_ids"])
     config = DrafterConfig.for_target(hf, aux, cfg.drafter.draft_vocab_size, cfg.drafter.variant, **cfg.drafter.flags())
     uri = tracking_uri(cfg.mlflow.tracking_uri)
-    init_dir = None
+    init_dir, warm_drafter = None, None
     if cfg.drafter.init_from:
         init_dir = str(fetch_drafter(cfg.drafter.init_from, tracking=uri).resolve())
-        warm = load_drafter(init_dir).config
+        warm_drafter = load_drafter(init_dir)
+        warm = warm_drafter.config
         if (warm.decoder, warm.draft_vocab_size, warm.aux_layer_ids) != (
             config.decoder,
             config.draft_vocab_size,
@@ -114,8 +115,8 @@ def run_training(cfg: TrainConfig) -> dict:
 
     counts = count_tokens(cfg.data, hf["vocab_size"])
     vocab = draft_vocab(counts, cfg.drafter.draft_vocab_size)
-    if init_dir:
-        vocab = torch.nonzero(load_drafter(init_dir).t2d).flatten()
+    if warm_drafter is not None:
+        vocab = torch.nonzero(warm_drafter.t2d).flatten()
     cover = coverage(counts, vocab)
     log.info("draft vocabulary: %d tokens cover %.1f%% of loss-masked training tokens", vocab.numel(), 100 * cover)
 
