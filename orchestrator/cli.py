@@ -157,6 +157,13 @@ def _generate_vllm(args, prompts, params) -> list[dict]:
     return rows
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from orchestrator.serving.launch import serve_app
+
+    serve_app(args.config, args.overrides, args.address, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aerie", description="EAGLE-3 / 3.1 drafters: train, evaluate, serve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=4, help="tree: children per expanded node")
     p.add_argument("--budget", type=int, default=16, help="tree: draft tokens verified per request and round")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("serve", help="start an OpenAI-compatible server from a Ray Serve config file")
+    p.add_argument("--config", required=True, help="Serve config (configs/*/serve*.yaml)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--host", default=None, help="HTTP host (default: the config's)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the application's args")
+    p.set_defaults(func=_serve)
     return parser
 
 

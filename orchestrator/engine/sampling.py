@@ -52,3 +52,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return logits.argmax(dim=-1)
     return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)
+
+
+def seeded_choice(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Tokens [n] sampled from probs [n, vocab] by Gumbel-max with noise fixed by (seed, output position):
+    argmax(log p + G) with G ~ Gumbel(0, 1) i.i.d. is an exact sample from p, and since G depends on nothing
+    but the seed and the position, a seeded request gets the same tokens however it is batched, drafted or
+    verified (speculation on or off, any tree, a drafter restart)."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    for i, position in enumerate(positions.tolist()):
+        mixed = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) % 2**63
+        u = torch.rand(probs.shape[-1], generator=torch.Generator().manual_seed(mixed), dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))
+        out[i] = torch.argmax(torch.log(probs[i].double()) + gumbel)
+    return out

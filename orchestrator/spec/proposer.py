@@ -221,7 +221,8 @@ class EagleProposer:
         tokens = torch.tensor([cands[i].token for i in chosen])
         parents = torch.tensor([index[cands[i].parent] if cands[i].parent >= 0 else -1 for i in chosen])
         probs = {index.get(p, -1) if p >= 0 else -1: q for p, q in g.draft_probs.items() if p < 0 or p in index}
-        return DraftTree(tokens, parents, probs)
+        scores = torch.tensor([cands[i].score for i in chosen])
+        return DraftTree(tokens, parents, probs, scores)
 
 
 def _ancestors(g: _Growing, node: int) -> list[int]:

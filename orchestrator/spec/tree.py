@@ -26,9 +26,11 @@ class DraftTree:
     tokens: torch.Tensor  # [n] target-vocabulary ids
     parents: torch.Tensor  # [n] index of each node's parent, -1 for the root's children
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # parent -> [vocab]
+    scores: torch.Tensor | None = None  # [n] cumulative draft log-probability of the path to each node
 
     def __post_init__(self) -> None:
         assert self.tokens.shape == self.parents.shape
+        assert self.scores is None or self.scores.shape == self.tokens.shape
         assert all(int(p) < i for i, p in enumerate(self.parents)), "parents must come before their children"
 
     @classmethod
@@ -64,6 +66,20 @@ class DraftTree:
             mask[i + 1] |= mask[p + 1]
             mask[i + 1, i + 1] = True
         return mask
+
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The tree restricted to nodes `keep` (ascending; each with its parent and earlier-drawn siblings, so
+        verification stays lossless), renumbered.
+
+            tokens [a, b, c], parents [-1, -1, 0], keep [0, 2] -> tokens [a, c], parents [-1, 0]
+        """
+        index = {node: i for i, node in enumerate(keep)}
+        assert all(int(self.parents[n]) < 0 or int(self.parents[n]) in index for n in keep), "parent dropped"
+        rows = torch.tensor(keep, dtype=torch.long)
+        parents = torch.tensor([index.get(int(self.parents[n]), -1) for n in keep], dtype=torch.long)
+        probs = {index[p] if p >= 0 else -1: q for p, q in self.draft_probs.items() if p < 0 or p in index}
+        scores = None if self.scores is None else self.scores[rows]
+        return DraftTree(self.tokens[rows], parents, probs, scores)
 
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node`."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.engine.sampling import SamplingParams, probabilities
+from orchestrator.engine.sampling import SamplingParams, probabilities, seeded_choice
 from orchestrator.spec.tree import DraftTree
 
 
@@ -36,11 +36,24 @@ class Verifier:
     """Greedy or sampling verification, chosen by the request's sampling parameters."""
 
     def verify(
-        self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+        self,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        position: int | None = None,
     ) -> Verdict:
-        """logits: [n+1, vocab], target logits at `[root, nodes...]` (row i+1 scores node i's children)."""
+        """logits: [n+1, vocab], target logits at `[root, nodes...]` (row i+1 scores node i's children).
+
+        position: the output index of the token sampled at the root. Given it, a seeded request samples each
+        position by Gumbel-max with noise fixed by (seed, position) (`seeded_choice`) and accepts a draft iff it
+        equals that sample: exact, and reproducible under any batching or tree.
+        """
         if params.greedy:
             return self.greedy(tree, logits.argmax(dim=-1))
+        if params.seed is not None and position is not None:
+            positions = position + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+            return self.greedy(tree, seeded_choice(probabilities(logits, params), params.seed, positions))
         return self.sample(tree, probabilities(logits, params), generator)
 
     @staticmethod
@@ -51,7 +64,7 @@ class Verifier:
         return children
 
     def greedy(self, tree: DraftTree, argmax: torch.Tensor) -> Verdict:
-        """argmax: [n+1] the target's greedy token at `[root, nodes...]`."""
+        """argmax: [n+1] the target's token at `[root, nodes...]` (greedy, or a seeded request's sample)."""
         children, tokens = self._children(tree), tree.tokens.tolist()
         node, accepted = -1, []
         while True:

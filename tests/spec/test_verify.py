@@ -81,3 +81,41 @@ def test_top_k_restricts_the_target_distribution():
         for s in range(200)
     }
     assert seen == {2, 3}
+
+
+P_FIVE = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+
+
+def _seeded_counts(noise_seed) -> torch.Tensor:
+    """How often each token is chosen at output position 3 over 4000 request seeds."""
+    from orchestrator.engine.sampling import seeded_choice
+
+    counts = torch.zeros(5)
+    for seed in range(4000):
+        counts[int(seeded_choice(P_FIVE[None], noise_seed(seed), torch.tensor([3]))[0])] += 1
+    return counts
+
+
+def test_seeded_sampling_is_exact_and_a_shared_seed_is_not():
+    """Gumbel-max with (seed, position) noise samples p exactly (chi-square); noise that ignores the request's
+    seed (a broken implementation) picks one token for everyone and fails the same test."""
+    from scipy.stats import chisquare
+
+    assert chisquare(_seeded_counts(lambda s: s), 4000 * P_FIVE).pvalue > 1e-3
+    assert chisquare(_seeded_counts(lambda s: 0), 4000 * P_FIVE).pvalue < 1e-6
+
+
+def test_seeded_verification_emits_the_same_tokens_for_any_tree():
+    """A seeded request's tokens depend only on (seed, position): drafting a tree or not changes nothing."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)  # the target at [root, a, b, c]
+    params = SamplingParams(temperature=1.0, seed=11)
+    plain = Verifier().verify(DraftTree.empty(), logits[:1], params, None, position=5)
+    assert plain.accepted == []
+    from orchestrator.engine.sampling import probabilities, seeded_choice
+
+    choice = seeded_choice(probabilities(logits, params), 11, torch.tensor([5, 6, 7, 8]))
+    assert plain.next_token == int(choice[0])
+    chain = DraftTree.chain([int(choice[0]), int(choice[1]), (int(choice[2]) + 1) % V])
+    verdict = Verifier().verify(chain, logits, params, None, position=5)
+    assert verdict.accepted == [0, 1] and verdict.next_token == int(choice[2])

@@ -1,0 +1,80 @@
+"""Serving metrics, exported through `ray.util.metrics` (Ray's Prometheus endpoint adds the `ray_` prefix;
+every metric is tagged with the application's `model`). Grafana panels read these names.
+
+| name | kind | meaning |
+|---|---|---|
+| aerie_acceptance_length | histogram | tokens a request gained per verification round (1 + accepted drafts) |
+| aerie_accepted_per_depth_total | counter, tag `depth` | rounds whose accepted path reached depth d (d = 1, 2, ...) |
+| aerie_draft_tokens_total | counter | draft tokens the target verified |
+| aerie_accepted_tokens_total | counter | draft tokens the target accepted |
+| aerie_rounds_total | counter, tag `kind` | target rounds: `spec` (with drafts) or `target_only` |
+| aerie_verify_batch_size | histogram | requests in one verification round |
+| aerie_budget_use | histogram | verified tokens / global verification budget, per round |
+| aerie_draft_latency_s | histogram | one draft call, as the scheduler waits for it |
+| aerie_verify_latency_s | histogram | one verify call, as the scheduler waits for it |
+| aerie_queue_depth | gauge | requests waiting for a KV slot |
+| aerie_running_requests | gauge | requests being decoded |
+| aerie_ttft_s | histogram | submit -> first token |
+| aerie_itl_s | histogram | time between tokens of one request (a round's gap split over its tokens) |
+| aerie_errors_total | counter, tag `kind` | errors: `target_died`, `timeout`, `internal` (requests), `draft_died` |
+"""
+
+from __future__ import annotations
+
+LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+SIZE_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128]
+FRACTION_BOUNDS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+class ServingMetrics:
+    """The scheduler's Prometheus metrics (created inside a Ray process)."""
+
+    def __init__(self, model: str) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        tags = {"model": model}
+        self._tags = tags
+
+        def hist(name, desc, bounds):
+            h = Histogram(name, desc, boundaries=bounds, tag_keys=("model",))
+            h.set_default_tags(tags)
+            return h
+
+        def counter(name, desc, keys=()):
+            c = Counter(name, desc, tag_keys=("model", *keys))
+            c.set_default_tags(tags)
+            return c
+
+        def gauge(name, desc):
+            g = Gauge(name, desc, tag_keys=("model",))
+            g.set_default_tags(tags)
+            return g
+
+        self.acceptance_length = hist("aerie_acceptance_length", "1 + accepted drafts per round", SIZE_BOUNDS)
+        self.accepted_per_depth = counter("aerie_accepted_per_depth_total", "rounds accepting depth d", ("depth",))
+        self.draft_tokens = counter("aerie_draft_tokens_total", "draft tokens verified")
+        self.accepted_tokens = counter("aerie_accepted_tokens_total", "draft tokens accepted")
+        self.rounds = counter("aerie_rounds_total", "target rounds", ("kind",))
+        self.batch_size = hist("aerie_verify_batch_size", "requests per verification round", SIZE_BOUNDS)
+        self.budget_use = hist("aerie_budget_use", "verified tokens / budget", FRACTION_BOUNDS)
+        self.draft_latency = hist("aerie_draft_latency_s", "draft call latency", LATENCY_BOUNDS)
+        self.verify_latency = hist("aerie_verify_latency_s", "verify call latency", LATENCY_BOUNDS)
+        self.queue_depth = gauge("aerie_queue_depth", "requests waiting")
+        self.running = gauge("aerie_running_requests", "requests decoding")
+        self.ttft = hist("aerie_ttft_s", "time to first token", LATENCY_BOUNDS)
+        self.itl = hist("aerie_itl_s", "inter-token latency", LATENCY_BOUNDS)
+        self.errors = counter("aerie_errors_total", "errors", ("kind",))
+
+    def round(self, batch: int, verified: int, budget: int, drafted: list[int], accepted: list[int]) -> None:
+        self.batch_size.observe(batch)
+        self.budget_use.observe(min(1.0, verified / budget))
+        self.rounds.inc(1, {"kind": "spec" if sum(drafted) else "target_only"})
+        if sum(drafted):
+            self.draft_tokens.inc(sum(drafted))
+        if sum(accepted):
+            self.accepted_tokens.inc(sum(accepted))
+        for d, a in zip(drafted, accepted, strict=True):
+            if d:
+                self.acceptance_length.observe(1 + a)
+            for depth in range(1, a + 1):
+                self.accepted_per_depth.inc(1, {"depth": str(depth)})

@@ -1,0 +1,353 @@
+"""The disaggregated speculative-decoding server: an OpenAI-compatible Ray Serve application.
+
+    HTTP ──> SpecServer replica (FastAPI ingress + SpecScheduler) ──> TargetWorker actor  (target node group)
+                                                                └──> DraftWorker actor   (draft node group)
+
+Each replica owns one TargetWorker and one DraftWorker, placed by resources, custom resources (`target`,
+`draft`), node labels or a placement group; more replicas serve in parallel (data parallel). Endpoints:
+`/v1/chat/completions`, `/v1/completions` (SSE streaming or not), `/v1/models`, `/health`, and `/stats`
+(the scheduler's totals and round timeline, for benchmarks and rollouts).
+
+`serve run configs/smollm2-135m/serve.yaml`, `serve deploy ...` or `aerie serve --config ...` start it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import logging
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+from ray import serve
+
+from orchestrator.config import StrictModel
+from orchestrator.engine.scheduler import SchedulerConfig, SpecScheduler
+from orchestrator.engine.spec_engine import SpecConfig
+from orchestrator.serving.detok import TextStream
+from orchestrator.serving.protocol import (
+    ChatCompletionRequest,
+    Chunker,
+    CompletionRequest,
+    RequestError,
+    error_body,
+    parse,
+    sse,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WorkerPlacement(StrictModel):
+    """Where a worker actor runs and how many threads it computes with."""
+
+    num_cpus: float = Field(1.0, ge=0, description="logical CPUs reserved")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved")
+    resources: dict[str, float] = Field({}, description="custom resources, e.g. {draft: 1} for the draft node group")
+    label_selector: dict[str, str] = Field({}, description="Ray node labels the worker must run on")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+
+    def bundle(self) -> dict[str, float]:
+        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: v for k, v in out.items() if v > 0} or {"CPU": 0.001}
+
+
+class SpecServeConfig(StrictModel):
+    """The application's `args` in a Serve config file."""
+
+    model: str = Field(description="target: a Hugging Face directory or a packaged model name")
+    served_model_name: str | None = Field(None, description="the `model` clients send (default: the model's name)")
+    models_dir: str = Field("models", description="where packaged models are prepared")
+    drafter: str | None = Field(None, description="drafter: a directory, s3://... or models:/NAME@ALIAS")
+    speculation: bool = Field(True, description="False: target-only rounds (the baseline, same code)")
+    spec: SpecConfig = Field(default_factory=SpecConfig, description="draft tree shape per request")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    target: WorkerPlacement = Field(default_factory=WorkerPlacement)
+    draft: WorkerPlacement = Field(default_factory=WorkerPlacement)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="put the two workers in one placement group with this strategy"
+    )
+    num_replicas: int = Field(1, ge=1, description="data-parallel replicas, each with its own workers")
+    max_ongoing_requests: int = Field(256, ge=1, description="per replica")
+    default_max_tokens: int = Field(512, ge=1, description="when a request sets none")
+    proposer_factory: str | None = Field(None, description="'module:callable' building a Proposer (tests)")
+    proposer_args: dict = Field({}, description="keyword arguments of proposer_factory")
+    drafter_cache_dir: str = Field("runs/drafter-cache", description="where s3:// and models:/ drafters go")
+
+
+class _Workers:
+    """The replica's two actors (created here, owned by the replica: they go when it goes)."""
+
+    def __init__(self, cfg: SpecServeConfig, model_dir: str, aux_ids: list[int], eos: list[int]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from orchestrator.engine.workers import DraftWorker, TargetWorker
+
+        tag = serve.get_replica_context().replica_id.unique_id
+        self.names = {"target": f"aerie-target-{tag}", "draft": f"aerie-draft-{tag}"}
+        placements = {"target": cfg.target, "draft": cfg.draft}
+        options = {}
+        pg = None
+        if cfg.placement_strategy:
+            pg = placement_group([cfg.target.bundle(), cfg.draft.bundle()], strategy=cfg.placement_strategy)
+            ray.get(pg.ready(), timeout=300)
+        for i, (role, p) in enumerate(placements.items()):
+            opts = dict(
+                num_cpus=p.num_cpus,
+                num_gpus=p.num_gpus,
+                resources=p.resources,
+                max_restarts=-1,
+                max_task_retries=0,
+                name=self.names[role],
+                namespace="aerie",
+            )
+            if p.label_selector:
+                opts["label_selector"] = p.label_selector
+            if pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+            options[role] = opts
+        max_batch = cfg.scheduler.max_batch
+        self.target = (
+            ray.remote(TargetWorker)
+            .options(**options["target"])
+            .remote(model_dir, aux_ids, eos, max_batch, cfg.target.torch_threads)
+        )
+        self.draft = None
+        if cfg.speculation:
+            factory = None
+            if cfg.proposer_factory:
+                factory = functools.partial(_import(cfg.proposer_factory), **cfg.proposer_args)
+            depth, topk, _ = cfg.spec.shape()
+            self.draft = (
+                ray.remote(DraftWorker)
+                .options(**options["draft"])
+                .remote(cfg.drafter, model_dir, depth, topk, max_batch, cfg.draft.torch_threads, factory)
+            )
+        handles = {"target": self.target, "draft": self.draft}
+        self.info = {role: ray.get(h.ready.remote(), timeout=600) for role, h in handles.items() if h is not None}
+
+
+def _import(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+async def _json(request: Request):
+    try:
+        return await request.json()
+    except ValueError as err:
+        raise RequestError(f"the request body is not valid JSON: {err}") from err
+
+
+def _drafter_dir(cfg: SpecServeConfig):
+    from orchestrator.errors import AerieError
+    from orchestrator.tracking.store import fetch_drafter
+
+    if cfg.drafter is None:
+        raise AerieError(
+            "speculation=true needs a drafter (a directory, s3://... or models:/...), or speculation=false"
+        )
+    return fetch_drafter(cfg.drafter, cfg.drafter_cache_dir)
+
+
+def _drafter_aux_ids(drafter_dir) -> list[int]:
+    """The target layers the drafter reads, from its config."""
+    import json
+    from pathlib import Path
+
+    from orchestrator.models.checkpoint import drafter_config_from_hf
+
+    return list(drafter_config_from_hf(json.loads((Path(drafter_dir) / "config.json").read_text())).aux_layer_ids)
+
+
+# Serve pickles the ingress class when it is decorated: everything it calls is defined above it.
+api = FastAPI(title="aerie-spec")
+
+
+@serve.deployment
+@serve.ingress(api)
+class SpecServer:
+    """OpenAI-compatible ingress over a SpecScheduler and its two workers."""
+
+    def __init__(self, config: dict) -> None:
+        from orchestrator.engine.metrics import ServingMetrics
+        from orchestrator.models.prepare import resolve_model
+        from orchestrator.models.target import default_aux_layer_ids, read_hf_config
+        from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+
+        cfg = SpecServeConfig.model_validate(config)
+        model_dir = resolve_model(cfg.model, cfg.models_dir)
+        hf = read_hf_config(model_dir)
+        self.name = cfg.served_model_name or model_dir.name
+        self.context = hf["max_position_embeddings"]
+        self.default_max_tokens = cfg.default_max_tokens
+        self.tokenizer = load_tokenizer(model_dir)
+        eos = eos_token_ids(model_dir, self.tokenizer)
+        aux = list(default_aux_layer_ids(hf["num_hidden_layers"]))
+        if cfg.speculation and cfg.proposer_factory is None:
+            cfg = cfg.model_copy(update={"drafter": str(_drafter_dir(cfg))})
+            aux = _drafter_aux_ids(cfg.drafter)
+        self.workers = _Workers(cfg, str(model_dir), aux, eos)
+        nodes = cfg.scheduler.model_copy(update={"max_nodes_per_request": cfg.spec.shape()[2]})
+        self.scheduler = SpecScheduler(self.workers.target, self.workers.draft, nodes, ServingMetrics(self.name))
+        self.started = False
+        log.info("serving %s with workers %s", self.name, self.workers.info)
+
+    # -- endpoints -------------------------------------------------------------------------------------------
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        async def build():
+            req = parse(ChatCompletionRequest, await _json(request))
+            try:
+                ids = self.tokenizer.apply_chat_template(req.chat(), add_generation_prompt=True, tokenize=True)
+            except ValueError as err:
+                raise RequestError(str(err), "messages") from err
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return req, list(ids), req.max_completion_tokens or req.max_tokens
+
+        return await self._serve(request, build, chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        async def build():
+            req = parse(CompletionRequest, await _json(request))
+            prompt = req.prompt_value()
+            ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
+            if any(not 0 <= t < len(self.tokenizer) for t in ids):
+                raise RequestError("prompt token ids must be within the vocabulary", "prompt")
+            return req, list(ids), req.max_tokens
+
+        return await self._serve(request, build, chat=False)
+
+    @api.get("/v1/models")
+    async def models(self):
+        card = {"id": self.name, "object": "model", "created": 0, "owned_by": "aerie", "max_model_len": self.context}
+        return {"object": "list", "data": [card]}
+
+    @api.get("/health")
+    async def health(self):
+        try:
+            await asyncio.wait_for(self.workers.target.ready.remote(), timeout=10)
+        except Exception as err:  # noqa: BLE001 (any failure means: not healthy)
+            return JSONResponse(error_body(f"target worker unavailable: {err}", "server_error"), status_code=503)
+        return {
+            "status": "ok",
+            "draft_alive": self.scheduler.draft_alive,
+            "workers": self.workers.info,
+            "actor_names": self.workers.names,
+        }
+
+    @api.get("/stats")
+    async def stats(self, trace: bool = False):
+        out = self.scheduler.stats()
+        if trace:
+            out["trace"] = list(self.scheduler.trace)
+        return out
+
+    # -- generation ------------------------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, build, chat: bool):
+        try:
+            req, prompt_ids, max_tokens = await build()
+            if req.model != self.name:
+                raise RequestError(
+                    f"The model `{req.model}` does not exist (this server serves `{self.name}`)", "model"
+                )
+            if req.n != 1:
+                raise RequestError("only n=1 is supported", "n")
+            max_tokens = self._max_tokens(len(prompt_ids), max_tokens)
+            params = req.sampling(max_tokens)
+        except RequestError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        if not self.started:
+            self.scheduler.start()
+            self.started = True
+        handle = await self.scheduler.submit(prompt_ids, params)
+        text = TextStream(self.tokenizer, params.stop)
+        chunker = Chunker(chat, self.name)
+        if req.stream:
+            return StreamingResponse(
+                self._stream(handle, text, chunker, len(prompt_ids), req.include_usage), media_type="text/event-stream"
+            )
+        return await self._complete(handle, text, chunker, len(prompt_ids))
+
+    def _max_tokens(self, prompt_len: int, asked: int | None) -> int:
+        room = self.context - prompt_len
+        if room < 1:
+            raise RequestError(
+                f"This model's maximum context length is {self.context} tokens; the prompt has {prompt_len}",
+                "messages",
+            )
+        if asked is None:
+            return min(room, self.default_max_tokens)
+        if asked > room:
+            raise RequestError(
+                f"This model's maximum context length is {self.context} tokens. However, you requested "
+                f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the completion).",
+                "max_tokens",
+            )
+        return asked
+
+    async def _events(self, handle, text: TextStream):
+        """(text delta, finish reason, error event) per scheduler event; a stop string ends the request."""
+        async for event in self.scheduler.events(handle):
+            if event.error:
+                yield "", None, event
+                return
+            delta = text.add(event.tokens) if event.tokens else ""
+            if text.stopped:
+                self.scheduler.abort(handle.id)
+                yield delta, "stop", None
+                return
+            if event.finish_reason:
+                yield delta + text.finish(), event.finish_reason, None
+                return
+            yield delta, None, None
+
+    async def _complete(self, handle, text: TextStream, chunker: Chunker, prompt_len: int):
+        parts, finish = [], None
+        try:
+            async for delta, reason, error in self._events(handle, text):
+                if error is not None:
+                    return JSONResponse(error_body(error.error, "server_error"), status_code=error.status)
+                parts.append(delta)
+                finish = reason or finish
+        finally:
+            self.scheduler.abort(handle.id)  # no-op when finished; frees the slots when the client left
+        return chunker.response("".join(parts), finish, usage(prompt_len, len(text.ids)))
+
+    async def _stream(self, handle, text: TextStream, chunker: Chunker, prompt_len: int, include_usage: bool):
+        try:
+            yield chunker.chunk("", first=True)
+            async for delta, reason, error in self._events(handle, text):
+                if error is not None:
+                    yield sse(error_body(error.error, "server_error") | {"status": error.status})
+                    break
+                if delta:
+                    yield chunker.chunk(delta)
+                if reason:
+                    yield chunker.chunk(None, finish_reason=reason)
+                    if include_usage:
+                        yield chunker.usage_chunk(usage(prompt_len, len(text.ids)))
+            yield sse("[DONE]")
+        finally:
+            self.scheduler.abort(handle.id)
+
+
+def build_app(args: dict) -> serve.Application:
+    """Application builder for Serve config files: `import_path: orchestrator.serving.app:build_app`."""
+    cfg = SpecServeConfig.model_validate(args)
+    deployment = SpecServer.options(
+        num_replicas=cfg.num_replicas,
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+        health_check_period_s=10,
+    )
+    return deployment.bind(cfg.model_dump())

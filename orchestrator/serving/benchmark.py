@@ -1,0 +1,308 @@
+"""Serving benchmark: an async client drives the HTTP endpoint at several concurrencies, speculation on and
+off with the same deployment code in the same run, and reports per-user throughput, TTFT, inter-token
+latency and the ratios; plus the scheduler's budget use, the per-round cost of the disaggregated path, and
+(at concurrency 1) the in-process engine on the same prompts for comparison.
+
+Each request streams MT-Bench first turns with `ignore_eos`, so every request yields exactly `max_tokens`
+tokens. Per-user output tokens/s = tokens / (last chunk - request sent); TPOT = (e2e - TTFT) / (tokens - 1);
+ITL = gaps between streamed chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from orchestrator.config import StrictModel
+
+log = logging.getLogger(__name__)
+
+
+class BenchmarkServingConfig(StrictModel):
+    """`python -m jobs.benchmark_serving` settings."""
+
+    app: str = Field(description="Serve config file of the application (configs/*/serve*.yaml)")
+    app_overrides: list[str] = Field([], description="dotted key=value overrides of the application's args")
+    modes: list[Literal["spec", "no-spec"]] = Field(["spec", "no-spec"], min_length=1)
+    concurrency: list[int] = Field([1, 4, 16], min_length=1, description="users sending requests at once")
+    requests_per_user: int = Field(2, ge=1, description="requests = concurrency x this (at least min_requests)")
+    min_requests: int = Field(4, ge=1)
+    max_tokens: int = Field(64, ge=1, description="tokens per request (EOS ignored)")
+    num_prompts: int = Field(16, ge=1, description="MT-Bench first turns cycled over")
+    in_process: bool = Field(True, description="also time the in-process SpecEngine at concurrency 1")
+    trace_concurrency: int | None = Field(4, description="write the round timeline of this level (spec mode)")
+    port: int = Field(8000, description="Serve HTTP port on 127.0.0.1")
+    address: str | None = Field(None, description="Ray cluster (default: RAY_ADDRESS, else a local Ray)")
+    output_dir: str = Field(description="where result.json and the timeline go")
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _one(client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    stamps, tokens, error = [], 0, None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+                break
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    if error or not stamps:
+        return {"error": error or "no tokens"}
+    e2e, ttft = stamps[-1] - sent, stamps[0] - sent
+    return {
+        "tokens": tokens,
+        "e2e_s": e2e,
+        "ttft_s": ttft,
+        "tpot_s": (e2e - ttft) / max(1, tokens - 1),
+        "itl_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+    }
+
+
+async def drive(url: str, model: str, prompts: list[list[dict]], concurrency: int, n: int, max_tokens: int) -> dict:
+    """`n` requests, `concurrency` at a time (closed loop); summary of the measurements."""
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def user(i):
+            async with sem:
+                return await _one(client, url, model, prompts[i % len(prompts)], max_tokens)
+
+        began = time.perf_counter()
+        results = await asyncio.gather(*[user(i) for i in range(n)])
+        wall = time.perf_counter() - began
+    ok = [r for r in results if "error" not in r]
+    itl = [g for r in ok for g in r["itl_s"]]
+    per_user = [r["tokens"] / r["e2e_s"] for r in ok]
+    return {
+        "concurrency": concurrency,
+        "requests": n,
+        "failed": n - len(ok),
+        "errors": sorted({r["error"] for r in results if "error" in r})[:3],
+        "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
+        "total_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "ttft_p50_s": _quantile([r["ttft_s"] for r in ok], 0.5),
+        "ttft_p99_s": _quantile([r["ttft_s"] for r in ok], 0.99),
+        "tpot_p50_s": _quantile([r["tpot_s"] for r in ok], 0.5),
+        "itl_p50_s": _quantile(itl, 0.5),
+        "itl_p99_s": _quantile(itl, 0.99),
+        "e2e_p50_s": _quantile([r["e2e_s"] for r in ok], 0.5),
+        "e2e_p99_s": _quantile([r["e2e_s"] for r in ok], 0.99),
+    }
+
+
+def scheduler_delta(before: dict, after: dict) -> dict:
+    """What the scheduler did between two /stats snapshots."""
+    d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float)) and k in before}
+    rounds = max(1, d.get("rounds", 0))
+    out = {
+        "rounds": d.get("rounds", 0),
+        "spec_round_share": d.get("spec_rounds", 0) / rounds,
+        "mean_batch": d.get("batch", 0) / rounds,
+        "budget_use": d.get("verified_tokens", 0) / max(1, d.get("budget_tokens", 0)),
+        "verified_tokens_per_round": d.get("verified_tokens", 0) / rounds,
+        "tokens_per_request_round": 1 + d.get("accepted", 0) / max(1, d.get("batch", 0)),
+        "acceptance_rate": d.get("accepted", 0) / max(1, d.get("drafted", 0)),
+        "bytes_per_round": d.get("pairs_bytes", 0) / rounds,
+    }
+    for side in ("draft", "verify"):
+        calls = d.get(f"{side}_calls", 0)
+        if calls:
+            out[f"{side}_call_ms"] = 1e3 * d[f"{side}_call_s"] / calls
+            out[f"{side}_compute_ms"] = 1e3 * d[f"{side}_compute_s"] / calls
+            out[f"{side}_overhead_ms"] = out[f"{side}_call_ms"] - out[f"{side}_compute_ms"]
+    return out
+
+
+def write_trace(spans: list[dict], out_dir: Path, label: str) -> list[Path]:
+    """The round timeline as a Chrome trace (chrome://tracing, Perfetto) and a PNG."""
+    if not spans:
+        return []
+    t0 = min(s["ts"] for s in spans)
+    events = [
+        {
+            "name": f"{s['name']} g{s['group']} ({s['batch']} req, {s['tokens']} tok)",
+            "ph": "X",
+            "ts": (s["ts"] - t0) * 1e6,
+            "dur": s["dur"] * 1e6,
+            "pid": s["worker"],
+            "tid": f"group {s['group']}",
+        }
+        for s in spans
+    ]
+    trace = out_dir / f"trace_{label}.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    from orchestrator.evaluation.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 2.6))
+    window = [s for s in spans if s["ts"] - t0 <= 2.0]  # the first two seconds, readable
+    rows = {"target": 1, "draft": 0}
+    colors = {0: "tab:blue", 1: "tab:orange"}
+    for s in window:
+        ax.barh(
+            rows[s["worker"]],
+            s["dur"],
+            left=s["ts"] - t0,
+            color=colors.get(s["group"], "grey"),
+            edgecolor="black",
+            linewidth=0.3,
+        )
+    ax.set_yticks([0, 1], ["DraftWorker", "TargetWorker"])
+    ax.set_xlabel("seconds (blue: micro-batch 0, orange: micro-batch 1)")
+    ax.set_title(f"rounds over time, {label}")
+    fig.tight_layout()
+    png = out_dir / f"timeline_{label}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return [trace, png]
+
+
+def busy_overlap(spans: list[dict]) -> float:
+    """Share of the draft worker's busy time during which the target was also busy (pipelining at work)."""
+    target = sorted((s["ts"], s["ts"] + s["dur"]) for s in spans if s["worker"] == "target")
+    draft = [(s["ts"], s["ts"] + s["dur"]) for s in spans if s["worker"] == "draft"]
+    busy = sum(b - a for a, b in draft)
+    both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in draft for c, d in target)
+    return both / busy if busy else 0.0
+
+
+def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+    """The engine issue's in-process SpecEngine at concurrency 1 on the same prompts: tokens/s and ms per
+    round (the reference for the disaggregated path's per-round overhead)."""
+    from orchestrator.engine.sampling import SamplingParams
+    from orchestrator.engine.spec_engine import SpecConfig, load_spec_engine
+    from orchestrator.models.prepare import resolve_model
+    from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+    from orchestrator.tracking.store import fetch_drafter
+
+    model_dir = resolve_model(app_args["model"], app_args.get("models_dir", "models"))
+    tok = load_tokenizer(model_dir)
+    spec = SpecConfig.model_validate(app_args.get("spec", {}))
+    engine = load_spec_engine(model_dir, fetch_drafter(app_args["drafter"]), spec, eos_token_ids(model_dir, tok), 1)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    engine.generate([prompts[0]], params)  # warm-up
+    began, rounds, tokens = time.perf_counter(), 0, 0
+    for p in prompts:
+        g = engine.generate([p], params)[0]
+        rounds += g.metrics.rounds
+        tokens += len(g.token_ids)
+    wall = time.perf_counter() - began
+    return {
+        "tok_s": tokens / wall,
+        "round_ms": 1e3 * wall / max(1, rounds),
+        "tokens_per_round": tokens / max(1, rounds),
+    }
+
+
+def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
+    """Deploy the application once per mode (same code, speculation on/off) and drive every concurrency."""
+    import httpx
+    from ray import serve
+
+    from orchestrator.data.prompts import mtbench_first_turns
+    from orchestrator.jobrunner import init_ray
+    from orchestrator.serving.app import _import
+    from orchestrator.serving.launch import read_serve_config
+
+    _, app = read_serve_config(cfg.app, cfg.app_overrides)
+    args = app["args"]
+    prompts = [r["messages"] for r in mtbench_first_turns(cfg.num_prompts)]
+    init_ray(cfg.address)
+    serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
+    builder = _import(app["import_path"])
+    result: dict = {"modes": {}, "files": []}
+    for mode in cfg.modes:
+        name = f"bench-{mode}"
+        log.info("deploying %s", name)
+        serve.run(builder(args | {"speculation": mode == "spec"}), name=name, route_prefix=f"/{name}")
+        url = f"http://127.0.0.1:{cfg.port}/{name}"
+        model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+        asyncio.run(drive(url, model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
+        levels = {}
+        for c in cfg.concurrency:
+            before = httpx.get(f"{url}/stats", timeout=60).json()
+            n = max(cfg.min_requests, c * cfg.requests_per_user)
+            level = asyncio.run(drive(url, model, prompts, c, n, cfg.max_tokens))
+            after = httpx.get(
+                f"{url}/stats", params={"trace": mode == "spec" and c == cfg.trace_concurrency}, timeout=60
+            ).json()
+            level["scheduler"] = scheduler_delta(before, after)
+            if "trace" in after:
+                spans = [s for s in after["trace"] if s["ts"] >= time.time() - 3600]
+                level["scheduler"]["draft_busy_overlapped"] = busy_overlap(spans)
+                result["files"] += [str(p) for p in write_trace(spans[-400:], out_dir, f"{mode}_c{c}")]
+            levels[c] = level
+            log.info("%s c=%d: %.1f tok/s per user, %d failed", mode, c, level["per_user_tok_s"], level["failed"])
+        result["modes"][mode] = levels
+        serve.delete(name)
+    if "spec" in result["modes"] and "no-spec" in result["modes"]:
+        result["speedup"] = {
+            c: result["modes"]["spec"][c]["per_user_tok_s"] / max(1e-9, result["modes"]["no-spec"][c]["per_user_tok_s"])
+            for c in cfg.concurrency
+        }
+    if cfg.in_process and "spec" in cfg.modes and args.get("drafter"):
+        from orchestrator.models.prepare import resolve_model
+        from orchestrator.models.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(resolve_model(args["model"], args.get("models_dir", "models")))
+        ids = [
+            list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            for m in prompts[: cfg.min_requests]
+        ]
+        result["in_process_c1"] = in_process_round_ms(args, ids, cfg.max_tokens)
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        "| mode | users | per-user tok/s | total tok/s | TTFT p50/p99 s | ITL p50/p99 ms | tok/round | budget use "
+        "| failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, levels in result["modes"].items():
+        for c, r in levels.items():
+            s = r["scheduler"]
+            lines.append(
+                f"| {mode} | {c} | {r['per_user_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
+                f"{r['ttft_p50_s'] or 0:.2f}/{r['ttft_p99_s'] or 0:.2f} | "
+                f"{1e3 * (r['itl_p50_s'] or 0):.0f}/{1e3 * (r['itl_p99_s'] or 0):.0f} | "
+                f"{s['tokens_per_request_round']:.2f} | {s['budget_use']:.2f} | {r['failed']} |"
+            )
+    if "speedup" in result:
+        lines.append(
+            "speculation on / off, per-user tok/s: "
+            + ", ".join(f"{c} users {x:.2f}x" for c, x in result["speedup"].items())
+        )
+    return "\n".join(lines)

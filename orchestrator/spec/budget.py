@@ -1,0 +1,129 @@
+"""Splitting the target's verification budget among requests by expected acceptance.
+
+Each draft node carries the drafter's probability of the path to it, exp(score): the chance that the target
+accepts it, when the drafter is calibrated (`calibration` rescales it by what verification really accepted).
+A round over n requests emits n tokens for sure (each request's bonus or correcting token) plus, in
+expectation, the sum of those probabilities over the verified nodes. `BudgetPolicy.allocate` takes nodes
+best first across all requests (a node only after its parent and its earlier-drawn siblings, which keeps
+verification lossless) while
+
+    (n + sum of p over the k chosen nodes) / (t_verify(n + k) + overhead)     expected tokens per second
+
+still grows and n + k stays within the global budget. `t_verify` is a line fitted online to the measured
+verification times, so on a compute-bound target (a CPU, a large batch) the trees shrink to what pays for
+itself, while at concurrency 1 on a memory-bound target a request gets its whole tree.
+
+    budget 5, cost flat: a = [.9, .5 (child of .9)], b = [.3]  ->  roots a, b + a:.9, a:.5, b:.3
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LinearCost:
+    """t(x) = a + b * x seconds for verifying x tokens, least squares over recent rounds (older ones fade)."""
+
+    decay: float = 0.95
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + tokens, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b), or None until rounds of different sizes have been seen."""
+        var = self.n * self.sxx - self.sx * self.sx
+        if self.n < 4 or var <= 1e-9 * max(1.0, self.sxx * self.n):
+            return None
+        b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / var)
+        a = max(1e-6, (self.sy - b * self.sx) / self.n)
+        return a, b
+
+    def __call__(self, tokens: int) -> float | None:
+        coef = self.coefficients()
+        return None if coef is None else coef[0] + coef[1] * tokens
+
+
+@dataclass
+class BudgetPolicy:
+    """Global verification budget (tokens per target round) and the cost model that trims it."""
+
+    budget_tokens: int
+    max_nodes_per_request: int
+    adaptive: bool = True  # False: every request verifies its whole tree (fixed per-request budgets)
+    calibration: float = 1.0  # accepted / predicted, tracked over rounds
+    cost: LinearCost | None = None
+
+    def __post_init__(self) -> None:
+        self.cost = self.cost or LinearCost()
+
+    def allocate(
+        self, sketches: list[tuple[torch.Tensor, torch.Tensor]], overhead_s: float = 0.0
+    ) -> tuple[list[list[int]], float]:
+        """sketches: (parents [n], scores [n]) per request. Returns the nodes to verify per request (ascending)
+        and the expected number of accepted draft tokens."""
+        n = len(sketches)
+        room = max(0, self.budget_tokens - n) if self.adaptive else n * self.max_nodes_per_request
+        heap, children = [], []
+        for r, (parents, scores) in enumerate(sketches):
+            kids: dict[int, list[int]] = {}
+            for i, p in enumerate(parents.tolist()):
+                kids.setdefault(p, []).append(i)
+            children.append(kids)
+            if -1 in kids:
+                first = kids[-1][0]
+                heap.append((-float(scores[first]), r, first))
+        heapq.heapify(heap)
+        chosen: list[list[int]] = [[] for _ in sketches]
+        expected = 0.0
+        best_rate = self._rate(n, 0.0, 0, overhead_s)
+        while heap and room > 0:
+            neg, r, node = heapq.heappop(heap)
+            p = min(1.0, self.calibration * math.exp(-neg))
+            if len(chosen[r]) >= self.max_nodes_per_request:
+                continue
+            rate = self._rate(n, expected + p, sum(map(len, chosen)) + 1, overhead_s)
+            if best_rate is not None and rate is not None and rate <= best_rate:
+                break  # the next best node no longer pays for its verification
+            best_rate = rate
+            chosen[r].append(node)
+            expected += p
+            room -= 1
+            parents, scores = sketches[r]
+            siblings = children[r][int(parents[node])]
+            nxt = siblings.index(node) + 1
+            if nxt < len(siblings):
+                heapq.heappush(heap, (-float(scores[siblings[nxt]]), r, siblings[nxt]))
+            if node in children[r]:
+                child = children[r][node][0]
+                heapq.heappush(heap, (-float(scores[child]), r, child))
+        return [sorted(c) for c in chosen], expected
+
+    def _rate(self, n: int, expected: float, k: int, overhead_s: float) -> float | None:
+        t = self.cost(n + k) if self.adaptive else None
+        return None if t is None else (n + expected) / (t + overhead_s)
+
+    def worth_drafting(self, n: int, tokens_per_round: float, nodes_per_request: float, draft_s: float) -> bool:
+        """Would a drafted round (as recent rounds went) beat a target-only one in tokens per second?"""
+        spec, plain = self.cost(round(n * (1 + nodes_per_request))), self.cost(n)
+        if spec is None or plain is None:
+            return True
+        return n * tokens_per_round / (spec + draft_s) > n / plain
+
+    def observe(self, verified_tokens: int, verify_s: float, predicted: float, accepted: int) -> None:
+        """Feed back one round: its cost, and how many draft tokens were predicted vs accepted."""
+        self.cost.observe(verified_tokens, verify_s)
+        if predicted > 0:
+            ratio = min(4.0, max(0.25, accepted / predicted))
+            self.calibration = min(4.0, max(0.05, self.calibration * ratio**0.1))
