@@ -92,8 +92,9 @@ def serve_session():
     port = free_port()  # after ray.init: Ray's own processes take random ports as they start
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    if ray.is_initialized():  # test_two_nodes shuts it down for its own cluster
+        serve.shutdown()
+        ray.shutdown()
 
 
 def app_args(model: Path, **overrides) -> dict:
