@@ -1,0 +1,94 @@
+"""Pieces of the serving path without Ray: the budget allocator, incremental detokenization, request parsing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from orchestrator.serving.detok import TextStream
+from orchestrator.serving.protocol import ChatCompletionRequest, RequestError, parse
+from orchestrator.spec.budget import BudgetPolicy, LinearCost
+
+
+def _sketch(parents: list[int], probs: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(parents), torch.tensor([math.log(p) for p in probs])
+
+
+def _flat_cost(a: float = 1.0, b: float = 0.0) -> LinearCost:
+    cost = LinearCost()
+    for x in (1, 4, 8, 16, 32):
+        cost.observe(x, a + b * x)
+    return cost
+
+
+def test_allocation_takes_the_best_nodes_across_requests():
+    """budget 5 over 2 requests: 2 roots + the 3 most likely nodes, a parent always before its child."""
+    policy = BudgetPolicy(budget_tokens=5, max_nodes_per_request=8, cost=_flat_cost())
+    a = _sketch([-1, 0, 1], [0.9, 0.5, 0.2])  # a chain
+    b = _sketch([-1, -1], [0.3, 0.1])  # two siblings
+    chosen, expected = policy.allocate([a, b])
+    assert chosen == [[0, 1], [0]]
+    assert expected == pytest.approx(0.9 + 0.5 + 0.3)
+
+
+def test_allocation_keeps_earlier_drawn_siblings():
+    """A later-drawn sibling with a higher score waits for the earlier one (lossless recursive rejection)."""
+    policy = BudgetPolicy(budget_tokens=2, max_nodes_per_request=8, cost=_flat_cost())
+    chosen, _ = policy.allocate([_sketch([-1, -1], [0.2, 0.7])])
+    assert chosen == [[0]]
+
+
+def test_compute_bound_cost_trims_trees_and_concurrency_one_gets_the_whole_tree():
+    """On a target whose verify time grows with every token (a CPU at batch 16), nodes that are unlikely to be
+    accepted are not worth verifying; with a flat cost (memory-bound, batch 1) the whole tree is."""
+    tree = _sketch([-1, 0, 1, 2], [0.8, 0.5, 0.2, 0.05])
+    steep = BudgetPolicy(budget_tokens=100, max_nodes_per_request=8, cost=_flat_cost(a=8.0, b=1.0))
+    chosen, _ = steep.allocate([tree] * 16)
+    assert chosen == [[0]] * 16  # 16 roots + 16 nodes at p .8: 28.8 tokens / 40; one node at .5 more: 29.3 / 41
+    flat = BudgetPolicy(budget_tokens=100, max_nodes_per_request=8, cost=_flat_cost(a=1.0, b=0.001))
+    assert flat.allocate([tree])[0] == [[0, 1, 2, 3]]
+
+
+def test_without_a_cost_model_or_adaptivity_every_request_gets_its_tree():
+    tree = _sketch([-1, 0], [0.1, 0.01])
+    assert BudgetPolicy(64, 8).allocate([tree] * 3)[0] == [[0, 1]] * 3  # no measurements yet
+    fixed = BudgetPolicy(4, 8, adaptive=False, cost=_flat_cost(a=0.0, b=1.0))
+    assert fixed.allocate([tree] * 3)[0] == [[0, 1]] * 3  # fixed per-request budgets ignore the global one
+
+
+def test_calibration_follows_what_verification_accepts():
+    """The drafter claims 2 accepted tokens per round where 1 is accepted: its probabilities get halved."""
+    policy = BudgetPolicy(64, 8)
+    for _ in range(200):
+        policy.observe(10, 0.1, predicted=policy.calibration * 2.0, accepted=1)
+    assert policy.calibration == pytest.approx(0.5, rel=0.05)
+
+
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
+    stream = TextStream(_CharTokenizer(), ["END"])
+    assert stream.add(_ids("Hello E")) == "Hello "  # "E" may start "END"
+    assert stream.add(_ids("ND!")) == "" and stream.stopped
+    assert stream.text == "Hello "
+    plain = TextStream(_CharTokenizer(), ["END"])
+    assert plain.add(_ids("Hi E")) == "Hi " and plain.finish() == "E"
+
+
+def test_parse_names_the_field():
+    with pytest.raises(RequestError) as err:
+        parse(ChatCompletionRequest, {"model": "m"})
+    assert err.value.param == "messages" and err.value.status == 400
+    with pytest.raises(RequestError):
+        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""] * 5})
+    with pytest.raises(RequestError):
+        parse(ChatCompletionRequest, [1, 2])
