@@ -252,7 +252,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         asyncio.run(drive(url, model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
         levels = {}
         for c in cfg.concurrency:
-            before = httpx.get(f"{url}/stats", timeout=60).json()
+            before, began = httpx.get(f"{url}/stats", timeout=60).json(), time.time()
             n = max(cfg.min_requests, c * cfg.requests_per_user)
             level = asyncio.run(drive(url, model, prompts, c, n, cfg.max_tokens))
             after = httpx.get(
@@ -260,7 +260,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
             ).json()
             level["scheduler"] = scheduler_delta(before, after)
             if "trace" in after:
-                spans = [s for s in after["trace"] if s["ts"] >= time.time() - 3600]
+                spans = [s for s in after["trace"] if s["ts"] >= began]
                 level["scheduler"]["draft_busy_overlapped"] = busy_overlap(spans)
                 result["files"] += [str(p) for p in write_trace(spans[-400:], out_dir, f"{mode}_c{c}")]
             levels[c] = level

@@ -1,0 +1,54 @@
+"""`python -m jobs.benchmark_serving` on the tiny target: both modes, two concurrencies, every number there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.serving.conftest import REPO, app_args, free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_benchmark_job_reports_both_modes(tiny_chat, tiny_drafter, tmp_path):
+    app = tmp_path / "serve.yaml"
+    args = app_args(tiny_chat, drafter=str(tiny_drafter), spec={"method": "tree", "depth": 3, "topk": 2, "budget": 6})
+    app.write_text(
+        yaml.safe_dump({"applications": [{"import_path": "orchestrator.serving.app:build_app", "args": args}]})
+    )
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.benchmark_serving",
+            f"app={app}",
+            "concurrency=[1,3]",
+            "min_requests=3",
+            "requests_per_user=1",
+            "max_tokens=12",
+            "num_prompts=4",
+            "trace_concurrency=3",
+            f"port={free_port()}",
+            f"output_dir={out}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    for mode in ("spec", "no-spec"):
+        for level in result["modes"][mode].values():
+            assert level["failed"] == 0 and level["per_user_tok_s"] > 0 and level["ttft_p50_s"] > 0
+            assert 0 < level["scheduler"]["budget_use"] <= 1.0
+    assert result["modes"]["no-spec"]["1"]["scheduler"]["tokens_per_request_round"] == 1.0
+    assert result["modes"]["spec"]["1"]["scheduler"]["draft_call_ms"] > 0
+    assert set(result["speedup"]) == {"1", "3"} and result["in_process_c1"]["tok_s"] > 0
+    assert (out / "trace_spec_c3.json").is_file() and (out / "timeline_spec_c3.png").is_file()
+    assert "speculation on / off" in proc.stdout
