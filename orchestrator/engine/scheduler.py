@@ -9,9 +9,9 @@ Live requests are split into micro-batches (two by default) that take turns, eac
 
 so while the target verifies group A's trees the drafter drafts group B's, and neither side idles (one
 request: plain draft -> verify -> draft). Each round the global verification budget (tokens the target
-verifies per round) is split among the group's requests by expected acceptance (`spec/budget.py`); a round
-whose drafts are predicted not to pay for themselves is run target-only (the drafter catches up on the
-skipped states in its next round).
+verifies per round) is split among the group's requests by expected acceptance (`spec/budget.py`), and
+`ModeChooser` runs rounds target-only while they measure faster than drafted ones at the current batch size
+(the drafter catches up on the skipped states in its next round).
 
 Faults: a draft call that fails (the actor died) turns the rounds target-only (greedy output is unchanged;
 sampling stays exact); once the restarted actor answers, it gets every live request's history from the
@@ -33,7 +33,7 @@ from pydantic import Field
 from orchestrator.config import StrictModel
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.engine.workers import NewSequence, RoundOutput
-from orchestrator.spec.budget import BudgetPolicy
+from orchestrator.spec.budget import BudgetPolicy, ModeChooser
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class SpecScheduler:
         self._cond: asyncio.Condition | None = None
         self._tasks: list[asyncio.Task] = []
         self._draft_ema = 0.0
-        self._tau_ema, self._nodes_ema, self._skipped = 1.0, 0.0, [0] * cfg.micro_batches
+        self.modes = ModeChooser()
 
     # -- client side -----------------------------------------------------------------------------------------
 
@@ -181,7 +181,9 @@ class SpecScheduler:
     async def _round(self, g: int) -> None:
         ids = list(self.groups[g])
         keep, trees_ref, predicted = {rid: [] for rid in ids}, None, 0.0
-        if self._should_draft(g, len(ids)):
+        round_began = time.perf_counter()
+        speculate = self.draft_alive and (not self.cfg.adaptive or self.modes.choose(len(ids)))
+        if speculate:
             drafted = await self._draft(g, ids)
             if drafted is not None:
                 sketches, trees_ref = drafted
@@ -197,20 +199,10 @@ class SpecScheduler:
         self.backlog[g].append(pairs_ref)
         accepted = sum(u.accepted for u in out.updates)
         self.policy.observe(out.verified_tokens, out.compute_s, predicted, accepted)
+        emitted = sum(len(u.tokens) for u in out.updates)
+        self.modes.observe(trees_ref is not None, len(ids), emitted, time.perf_counter() - round_began)
         self._account(out, latency)
         self._deliver(out)
-
-    def _should_draft(self, g: int, n: int) -> bool:
-        if not self.draft_alive:
-            return False
-        if not self.cfg.adaptive or self._skipped[g] >= 8:  # re-probe now and then: acceptance drifts
-            self._skipped[g] = 0
-            return True
-        if self.policy.worth_drafting(n, self._tau_ema, self._nodes_ema, self._draft_ema):
-            self._skipped[g] = 0
-            return True
-        self._skipped[g] += 1
-        return False
 
     async def _draft(self, g: int, ids: list[str]):
         """Draft trees for the group; None when the draft worker is gone or failed (the round goes
@@ -307,9 +299,6 @@ class SpecScheduler:
                 self.per_depth.append(0)
             for d in range(a):
                 self.per_depth[d] += 1
-        if sum(drafted):
-            self._tau_ema = 0.8 * self._tau_ema + 0.2 * (1 + sum(accepted) / n)
-            self._nodes_ema = 0.8 * self._nodes_ema + 0.2 * (sum(drafted) / n)
         if self.metrics:
             self.metrics.round(n, out.verified_tokens, self.cfg.budget_tokens, drafted, accepted)
             self.metrics.verify_latency.observe(latency)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,16 +114,39 @@ class BudgetPolicy:
         t = self.cost(n + k) if self.adaptive else None
         return None if t is None else (n + expected) / (t + overhead_s)
 
-    def worth_drafting(self, n: int, tokens_per_round: float, nodes_per_request: float, draft_s: float) -> bool:
-        """Would a drafted round (as recent rounds went) beat a target-only one in tokens per second?"""
-        spec, plain = self.cost(round(n * (1 + nodes_per_request))), self.cost(n)
-        if spec is None or plain is None:
-            return True
-        return n * tokens_per_round / (spec + draft_s) > n / plain
-
     def observe(self, verified_tokens: int, verify_s: float, predicted: float, accepted: int) -> None:
         """Feed back one round: its cost, and how many draft tokens were predicted vs accepted."""
         self.cost.observe(verified_tokens, verify_s)
         if predicted > 0:
             ratio = min(4.0, max(0.25, accepted / predicted))
             self.calibration = min(4.0, max(0.05, self.calibration * ratio**0.1))
+
+
+@dataclass
+class ModeChooser:
+    """Drafted or target-only rounds, whichever has measured more tokens per second at this batch size (log2
+    buckets of the number of requests in the round). The losing mode is re-measured every `probe_every`
+    rounds, so a drafter that starts to pay (or stops) is noticed. What it measures is the round as the
+    scheduler lives it (draft call, verify call, waiting for the other micro-batch), so it holds on any
+    hardware: a compute-bound target, a drafter sharing its cores, network hops."""
+
+    probe_every: int = 16
+    smoothing: float = 0.3
+    rates: dict = field(default_factory=dict)  # (drafted, bucket) -> tokens per second
+    rounds: int = 0
+
+    def choose(self, n: int) -> bool:
+        """True: draft this round."""
+        bucket = n.bit_length()
+        spec, plain = self.rates.get((True, bucket)), self.rates.get((False, bucket))
+        self.rounds += 1
+        if spec is None or plain is None:
+            return spec is None  # measure drafted rounds first, then target-only ones
+        best = spec >= plain
+        return (not best) if self.rounds % self.probe_every == 0 else best
+
+    def observe(self, drafted: bool, n: int, tokens: int, seconds: float) -> None:
+        key = (drafted, n.bit_length())
+        rate = tokens / max(seconds, 1e-6)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate

@@ -281,3 +281,28 @@ def test_load_200_requests_at_concurrency_16(apps, references):
         f"\nload: 200 requests at concurrency 16: p50 {q[50]:.2f} s, p90 {q[90]:.2f} s, p99 {q[99]:.2f} s, "
         f"max {latencies[-1]:.2f} s"
     )
+
+
+def test_metrics_reach_prometheus_under_the_dashboard_names(apps):
+    """Every series the Grafana dashboard queries is on Ray's Prometheus endpoint."""
+    import re
+    import urllib.request
+
+    import ray
+
+    from tests.serving.conftest import REPO
+
+    dashboard = (REPO / "dashboards" / "aerie-serving.json").read_text()
+    wanted = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"ray_aerie_\w+", dashboard)}
+    wanted.discard("ray_aerie_errors_total")  # only once an error happened
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    missing = wanted
+    for _ in range(60):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        exported = {re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0]) for line in text.splitlines()}
+        missing = wanted - exported
+        if not missing:
+            break
+        time.sleep(1)
+    assert not missing
+    assert 'model="tiny"' in text

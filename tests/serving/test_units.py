@@ -92,3 +92,16 @@ def test_parse_names_the_field():
         parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""] * 5})
     with pytest.raises(RequestError):
         parse(ChatCompletionRequest, [1, 2])
+
+
+def test_mode_chooser_follows_measured_rates_and_reprobes():
+    from orchestrator.spec.budget import ModeChooser
+
+    modes = ModeChooser(probe_every=4)
+    assert modes.choose(8) is True  # nothing measured: draft
+    modes.observe(True, 8, tokens=10, seconds=1.0)
+    assert modes.choose(8) is False  # then measure target-only
+    modes.observe(False, 8, tokens=20, seconds=1.0)
+    picks = [modes.choose(8) for _ in range(8)]
+    assert picks.count(True) == 2 and picks.count(False) == 6  # target-only wins; drafted re-probed 1 in 4
+    assert modes.choose(1) is True  # another batch size is measured on its own
