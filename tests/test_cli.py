@@ -77,8 +77,17 @@ def test_bad_jsonl_lines_are_reported_and_the_rest_served(tmp_path, smollm2_dir)
             ["prepare-model", "gpt-17", "--out", "/tmp/never"],
             "unknown model 'gpt-17'; known: smollm2-135m-instruct",
         ),
+        (["serve", "--config", "/nonexistent/serve.yaml"], "serve config '/nonexistent/serve.yaml' does not exist"),
+        (
+            ["serve", "--config", "configs/smollm2-135m/serve.yaml", "scheduler.max_batch=0"],
+            "scheduler.max_batch: Input should be greater than or equal to 1",
+        ),
+        (
+            ["serve", "--config", "configs/smollm2-135m/serve.yaml", "spec.method=beam"],
+            "spec.method: Input should be 'chain' or 'tree'",
+        ),
     ],
-    ids=["missing-model", "unknown-model-name"],
+    ids=["missing-model", "unknown-model-name", "serve-missing-config", "serve-bad-batch", "serve-bad-method"],
 )
 def test_user_errors_are_one_line(args, pattern):
     _assert_one_line_error(_aerie(*args), pattern)

@@ -35,7 +35,10 @@ class BenchmarkServingConfig(StrictModel):
     requests_per_user: int = Field(2, ge=1, description="requests = concurrency x this (at least min_requests)")
     min_requests: int = Field(4, ge=1)
     max_tokens: int = Field(64, ge=1, description="tokens per request (EOS ignored)")
-    num_prompts: int = Field(16, ge=1, description="MT-Bench first turns cycled over")
+    prompts: str = Field(
+        "mtbench", description="'mtbench' (first turns, chat) or 'validation:DIR' (a collection's held-out split)"
+    )
+    num_prompts: int = Field(16, ge=1, description="prompts cycled over")
     in_process: bool = Field(True, description="also time the in-process SpecEngine at concurrency 1")
     trace_concurrency: int | None = Field(4, description="write the round timeline of this level (spec mode)")
     port: int = Field(8000, description="Serve HTTP port on 127.0.0.1")
@@ -50,10 +53,12 @@ def _quantile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _one(client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+async def _one(client, url: str, model: str, prompt: dict, max_tokens: int) -> dict:
+    """prompt: {"messages": [...]} (chat completions) or {"prompt": [token ids]} (completions)."""
+    chat = "messages" in prompt
     body = {
         "model": model,
-        "messages": messages,
+        **prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -62,7 +67,8 @@ async def _one(client, url: str, model: str, messages: list[dict], max_tokens: i
     }
     sent = time.perf_counter()
     stamps, tokens, error = [], 0, None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    endpoint = "chat/completions" if chat else "completions"
+    async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"}
         async for line in r.aiter_lines():
@@ -74,7 +80,8 @@ async def _one(client, url: str, model: str, messages: list[dict], max_tokens: i
                 break
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+            choice = (event.get("choices") or [{}])[0]
+            if (choice.get("delta") or {}).get("content") or choice.get("text"):
                 stamps.append(time.perf_counter())
     if error or not stamps:
         return {"error": error or "no tokens"}
@@ -88,7 +95,7 @@ async def _one(client, url: str, model: str, messages: list[dict], max_tokens: i
     }
 
 
-async def drive(url: str, model: str, prompts: list[list[dict]], concurrency: int, n: int, max_tokens: int) -> dict:
+async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int) -> dict:
     """`n` requests, `concurrency` at a time (closed loop); summary of the measurements."""
     import httpx
 
@@ -226,19 +233,42 @@ def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: in
     }
 
 
+def _render(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def load_prompts(source: str, n: int) -> list[dict]:
+    """MT-Bench first turns as chat messages, or a collection's held-out conversations up to their first
+    assistant token (token ids, rendered as collected: the drafter's own domain)."""
+    from orchestrator.errors import AerieError
+
+    if source == "mtbench":
+        from orchestrator.data.prompts import mtbench_first_turns
+
+        return [{"messages": r["messages"]} for r in mtbench_first_turns(n)]
+    if source.startswith("validation:"):
+        from orchestrator.evaluation.sets import validation_set
+
+        items = validation_set(source.removeprefix("validation:"), n)
+        if not items:
+            raise AerieError(f"{source}: the collection has no validation conversations")
+        return [{"prompt": list(item.ids)} for item in items]
+    raise AerieError(f"prompts {source!r}: use 'mtbench' or 'validation:DIR'")
+
+
 def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     """Deploy the application once per mode (same code, speculation on/off) and drive every concurrency."""
     import httpx
     from ray import serve
 
-    from orchestrator.data.prompts import mtbench_first_turns
     from orchestrator.jobrunner import init_ray
     from orchestrator.serving.app import _import
     from orchestrator.serving.launch import read_serve_config
 
     _, app = read_serve_config(cfg.app, cfg.app_overrides)
     args = app["args"]
-    prompts = [r["messages"] for r in mtbench_first_turns(cfg.num_prompts)]
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     init_ray(cfg.address)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
     builder = _import(app["import_path"])
@@ -277,10 +307,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         from orchestrator.models.tokenizer import load_tokenizer
 
         tok = load_tokenizer(resolve_model(args["model"], args.get("models_dir", "models")))
-        ids = [
-            list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-            for m in prompts[: cfg.min_requests]
-        ]
+        ids = [p["prompt"] if "prompt" in p else _render(tok, p["messages"]) for p in prompts[: cfg.min_requests]]
         result["in_process_c1"] = in_process_round_ms(args, ids, cfg.max_tokens)
     return result
 
