@@ -174,14 +174,16 @@ def write_trace(spans: list[dict], out_dir: Path, label: str) -> list[Path]:
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(11, 2.6))
-    window = [s for s in spans if s["ts"] - t0 <= 2.0]  # the first two seconds, readable
+    drafts = [s["ts"] for s in spans if s["name"] == "draft"]
+    start = max(t0, drafts[len(drafts) // 2] - 0.5) if drafts else t0  # 2 s around the middle draft: readable
+    window = [s for s in spans if start <= s["ts"] <= start + 2.0]
     rows = {"target": 1, "draft": 0}
     colors = {0: "tab:blue", 1: "tab:orange"}
     for s in window:
         ax.barh(
             rows[s["worker"]],
             s["dur"],
-            left=s["ts"] - t0,
+            left=s["ts"] - start,
             color=colors.get(s["group"], "grey"),
             edgecolor="black",
             linewidth=0.3,
