@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -118,3 +121,32 @@ class ReplayProposer:
                 parent = start + siblings.index(true)
             trees.append(DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)))
         return trees
+
+
+RAY_BIN = Path(sys.executable).parent / "ray"
+
+
+def ray_cli_env() -> dict:
+    """Environment for `ray` CLI calls against a cluster with token authentication (a token is generated)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{RAY_BIN.parent}:{os.environ['PATH']}"}
+    subprocess.run([str(RAY_BIN), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60)
+    return env
+
+
+def start_ray_head(env: dict, gcs_port: int, dashboard_port: int, num_cpus: int = 2, resources: dict | None = None):
+    """`ray start --head` on loopback (stop it with `ray stop --force`)."""
+    cmd = [
+        str(RAY_BIN),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_port}",
+        f"--num-cpus={num_cpus}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        "--disable-usage-stats",
+    ]
+    if resources:
+        cmd += ["--resources", json.dumps(resources)]
+    started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stderr[-2000:]

@@ -40,15 +40,17 @@ class _Live:
     result: Generation
 
 
-def new_generator(params: SamplingParams) -> torch.Generator | None:
-    """The request's own random stream (seeded when the request says so)."""
+def new_generator(params: SamplingParams, stream: int = 0) -> torch.Generator | None:
+    """The request's own random stream (seeded when the request says so). Disaggregated serving gives the
+    draft side stream 1: a seeded request must not draw its drafts and its acceptance tests from the same
+    numbers (the draws would be correlated, which breaks losslessness)."""
     if params.greedy:
         return None
     generator = torch.Generator()
     if params.seed is None:
         generator.seed()
     else:
-        generator.manual_seed(params.seed)
+        generator.manual_seed(params.seed if stream == 0 else (params.seed * 0x9E3779B1 + stream) % 2**63)
     return generator
 
 

@@ -29,7 +29,7 @@ from orchestrator.engine.decode import Generation, check_context, new_generator
 from orchestrator.engine.sampling import SamplingParams, sample
 from orchestrator.models.target import TargetModel
 from orchestrator.spec.proposer import EagleProposer, ProposeItem, Proposer
-from orchestrator.spec.tree import DraftTree
+from orchestrator.spec.tree import DraftTree, pack_trees
 from orchestrator.spec.verify import Verdict, Verifier
 
 
@@ -222,17 +222,8 @@ class SpecEngine:
 
     def verify_round(self, batch: list[Request], trees: list[DraftTree]) -> list[Request]:
         """Score every tree in one target forward, accept, compact the cache. Returns finished requests."""
-        blocks = [t.attention_block() for t in trees]
-        width = max(b.shape[0] for b in blocks)
-        block_mask = torch.zeros(len(batch), width, width, dtype=torch.bool)
-        for i, b in enumerate(blocks):
-            block_mask[i, : b.shape[0], : b.shape[0]] = b
-        tokens = torch.cat([torch.cat([torch.tensor([r.root]), t.tokens]) for r, t in zip(batch, trees, strict=True)])
-        depths = [torch.cat([torch.zeros(1, dtype=torch.long), t.depths()]) for t in trees]
         slots = torch.tensor([r.slot for r in batch])
-        base = self.cache.lengths[slots]
-        positions = torch.cat([base[i] + d for i, d in enumerate(depths)])
-        num = torch.tensor([1 + t.size for t in trees])
+        tokens, positions, num, block_mask = pack_trees([r.root for r in batch], trees, self.cache.lengths[slots])
         out = self.target(tokens, self.cache, slots, num, positions=positions, block_mask=block_mask)
         done, offset = [], 0
         for r, tree in zip(batch, trees, strict=True):

@@ -29,7 +29,7 @@ from orchestrator.engine.decode import new_generator
 from orchestrator.engine.sampling import SamplingParams, probabilities, sample, seeded_choice
 from orchestrator.models.target import TargetModel
 from orchestrator.spec.proposer import EagleProposer, ProposeItem, Proposer
-from orchestrator.spec.tree import DraftTree
+from orchestrator.spec.tree import DraftTree, pack_trees
 from orchestrator.spec.verify import Verifier
 
 
@@ -191,18 +191,8 @@ class TargetWorker:
             for r in ids
         ]
         seqs = [self.seqs[r] for r in ids]
-        blocks = [t.attention_block() for t in chosen]
-        width = max(b.shape[0] for b in blocks)
-        block_mask = torch.zeros(len(ids), width, width, dtype=torch.bool)  # [B, T, T]
-        for i, b in enumerate(blocks):
-            block_mask[i, : b.shape[0], : b.shape[0]] = b
-        tokens = torch.cat([torch.cat([torch.tensor([q.root]), t.tokens]) for q, t in zip(seqs, chosen, strict=True)])
         slots = torch.tensor([q.slot for q in seqs])
-        base = self.cache.lengths[slots]
-        positions = torch.cat(
-            [base[i] + torch.cat([torch.zeros(1, dtype=torch.long), t.depths()]) for i, t in enumerate(chosen)]
-        )
-        num = torch.tensor([1 + t.size for t in chosen])
+        tokens, positions, num, block_mask = pack_trees([q.root for q in seqs], chosen, self.cache.lengths[slots])
         out = self.model(tokens, self.cache, slots, num, positions=positions, block_mask=block_mask)
         updates, parts, offset = [], {}, 0
         for rid, q, tree in zip(ids, seqs, chosen, strict=True):
@@ -304,7 +294,7 @@ class DraftWorker:
             if not got:  # nothing new to draft from (cannot happen in order; be safe: no draft this round)
                 continue
             if rid not in self.generators:
-                self.generators[rid] = _draft_generator(params)
+                self.generators[rid] = new_generator(params, stream=1)  # never the target's stream
                 self.live.add(rid)
             tokens, aux = torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
             items.append(ProposeItem(rid, tokens, aux, params, self.generators[rid], budget))
@@ -321,19 +311,6 @@ class DraftWorker:
                 self.live.discard(r)
                 self.generators.pop(r, None)
                 self.proposer.release(r)
-
-
-def _draft_generator(params: SamplingParams) -> torch.Generator | None:
-    """The draft side's random stream: never the target's (a seeded request would otherwise draw its draft
-    tokens and its acceptance tests from the same numbers, which breaks losslessness)."""
-    if params.greedy:
-        return None
-    generator = torch.Generator()
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed((params.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**63)
-    return generator
 
 
 def _load_drafter(drafter_dir: str | Path | None, target_dir: str | Path):

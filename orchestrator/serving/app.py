@@ -50,6 +50,7 @@ class WorkerPlacement(StrictModel):
     resources: dict[str, float] = Field({}, description="custom resources, e.g. {draft: 1} for the draft node group")
     label_selector: dict[str, str] = Field({}, description="Ray node labels the worker must run on")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    env_vars: dict[str, str] = Field({}, description="environment of the worker process, e.g. OMP_WAIT_POLICY")
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
@@ -107,6 +108,8 @@ class _Workers:
                 name=self.names[role],
                 namespace="aerie",
             )
+            if p.env_vars:
+                opts["runtime_env"] = {"env_vars": p.env_vars}
             if p.label_selector:
                 opts["label_selector"] = p.label_selector
             if pg is not None:

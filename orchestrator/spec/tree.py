@@ -88,3 +88,23 @@ class DraftTree:
             path.append(node)
             node = int(self.parents[node])
         return path[::-1]
+
+
+def pack_trees(
+    roots: list[int], trees: list[DraftTree], base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs of one target forward verifying several requests' trees: `[r_a, a1, a2 | r_b | r_c, c1]`.
+
+    roots: each request's last emitted token; base: [B] its cache length (the root's rope position).
+    Returns tokens [N], positions [N] (base + depth), num_tokens [B] and block_mask [B, T, T].
+    """
+    blocks = [t.attention_block() for t in trees]
+    width = max(b.shape[0] for b in blocks)
+    block_mask = torch.zeros(len(trees), width, width, dtype=torch.bool)
+    for i, b in enumerate(blocks):
+        block_mask[i, : b.shape[0], : b.shape[0]] = b
+    tokens = torch.cat([torch.cat([torch.tensor([r]), t.tokens]) for r, t in zip(roots, trees, strict=True)])
+    zero = torch.zeros(1, dtype=torch.long)
+    positions = torch.cat([base[i] + torch.cat([zero, t.depths()]) for i, t in enumerate(trees)])
+    num = torch.tensor([1 + t.size for t in trees])
+    return tokens, positions, num, block_mask

@@ -15,6 +15,7 @@ import torch
 
 from orchestrator.data.conversations import LoadReport, load_chitchat
 from orchestrator.data.shards import read_shard
+from tests.helpers import ray_cli_env, start_ray_head
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[2]
@@ -182,22 +183,9 @@ def _free_port() -> int:
 def test_ray_job_submit_against_a_started_head(config, local_run, tmp_path):
     """`ray start --head` on loopback, then `ray job submit --working-dir .`: same manifest as a direct run."""
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = ray_cli_env()
     gcs, dashboard = _free_port(), _free_port()
-    start = [
-        str(bin_dir / "ray"),
-        "start",
-        "--head",
-        "--node-ip-address=127.0.0.1",
-        f"--port={gcs}",
-        "--num-cpus=2",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        "--disable-usage-stats",
-    ]
-    subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60)
-    started = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-    assert started.returncode == 0, started.stderr[-2000:]
+    start_ray_head(env, gcs, dashboard)
     try:
         out = tmp_path / "submitted"
         runtime_env = json.dumps({"excludes": [".venv", "models", "runs", ".git", "*.safetensors"]})

@@ -5,7 +5,6 @@ draft node and greedy output stays exact."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.helpers import ray_cli_env, start_ray_head
 from tests.serving.conftest import app_args, free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -33,24 +33,11 @@ def test_draft_worker_on_the_draft_node(tiny_chat, tiny_drafter, references, tmp
     if ray.is_initialized():  # this test needs its own cluster (and `ray stop` ends every local Ray)
         serve.shutdown()
         ray.shutdown()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = ray_cli_env()
     gcs, dashboard, http = free_port(), free_port(), free_port()
-    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60)
     server = None
     try:
-        _ray(
-            "start",
-            "--head",
-            "--node-ip-address=127.0.0.1",
-            f"--port={gcs}",
-            "--num-cpus=2",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}",
-            "--disable-usage-stats",
-            "--resources",
-            json.dumps({"target": 1}),
-            env=env,
-        )
+        start_ray_head(env, gcs, dashboard, resources={"target": 1})
         _ray(
             "start",
             f"--address=127.0.0.1:{gcs}",
