@@ -40,11 +40,13 @@ def apps(serve_session, tiny_chat, tiny_drafter, references) -> dict[str, str]:
                 **oracle,
                 proposer_args={"references": references["path"], "depth": 4, "width": 2},
                 scheduler={"budget_tokens": 24},
+                placement_strategy="PACK",  # the two workers in one placement group
             ),
             serve_session,
         ),
         "eagle": deploy("eagle", app_args(tiny_chat, drafter=str(tiny_drafter)), serve_session),
         "plain": deploy("plain", app_args(tiny_chat, speculation=False), serve_session),
+        "dp": deploy("dp", app_args(tiny_chat, drafter=str(tiny_drafter), num_replicas=2), serve_session),
     }
     return urls
 
@@ -80,6 +82,14 @@ def test_greedy_output_equals_target_only(apps, references, kind, users):
     if kind != "eagle":  # the oracle's drafts are partly right: rounds accept 0 .. all
         assert stats["accepted"] > 0 and stats["accepted"] < stats["drafted"]
         assert len(stats["accepted_per_depth"]) >= 3
+
+
+def test_data_parallel_replicas_each_with_their_workers(apps, references):
+    """Two replicas, each with its own TargetWorker and DraftWorker; both serve, output stays exact."""
+    got = _concurrently(lambda m: _chat(apps["dp"], m), [(m,) for m in references["messages"]])
+    assert [g["choices"][0]["message"]["content"] for g in got] == references["texts"]
+    seen = {json.dumps(httpx.get(f"{apps['dp']}/health").json()["actor_names"], sort_keys=True) for _ in range(30)}
+    assert len(seen) == 2
 
 
 def test_openai_client_streaming_and_not(apps, references):
@@ -218,7 +228,7 @@ def test_draft_worker_killed_mid_stream(apps, references):
     assert after["draft_failures"] == before["draft_failures"] + 1
     got = _chat(url, references["messages"][3])
     assert got["choices"][0]["message"]["content"] == references["texts"][3]
-    assert httpx.get(f"{url}/stats").json()["drafted"] > after["drafted"]
+    assert httpx.get(f"{url}/stats").json()["draft_calls"] > after["draft_calls"]  # drafting again
 
 
 def test_target_worker_killed(apps, references):
