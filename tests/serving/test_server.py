@@ -29,6 +29,7 @@ def apps(serve_session, tiny_chat, tiny_drafter, references) -> dict[str, str]:
                 spec={"method": "chain", "num_spec_tokens": 4},
                 **oracle,
                 proposer_args={"references": references["path"], "depth": 4},
+                scheduler={"adaptive": False},
             ),
             serve_session,
         ),
@@ -39,7 +40,7 @@ def apps(serve_session, tiny_chat, tiny_drafter, references) -> dict[str, str]:
                 spec={"method": "tree", "depth": 4, "topk": 2, "budget": 8},
                 **oracle,
                 proposer_args={"references": references["path"], "depth": 4, "width": 2},
-                scheduler={"budget_tokens": 24},
+                scheduler={"budget_tokens": 24, "adaptive": False},  # whole trees: acceptance 0 .. all
                 placement_strategy="PACK",  # the two workers in one placement group
             ),
             serve_session,
@@ -47,6 +48,9 @@ def apps(serve_session, tiny_chat, tiny_drafter, references) -> dict[str, str]:
         "eagle": deploy("eagle", app_args(tiny_chat, drafter=str(tiny_drafter)), serve_session),
         "plain": deploy("plain", app_args(tiny_chat, speculation=False), serve_session),
         "dp": deploy("dp", app_args(tiny_chat, drafter=str(tiny_drafter), num_replicas=2), serve_session),
+        "deadline": deploy(
+            "deadline", app_args(tiny_chat, speculation=False, scheduler={"request_timeout_s": 0.5}), serve_session
+        ),
     }
     return urls
 
@@ -249,6 +253,16 @@ def test_target_worker_killed(apps, references):
     assert time.perf_counter() - began < 60
     got = _chat(url, references["messages"][5])
     assert got["choices"][0]["message"]["content"] == references["texts"][5]
+
+
+def test_a_request_past_its_deadline_ends_with_an_error(apps, references):
+    body = {"model": "tiny", "messages": references["messages"][0], "max_tokens": 900, "ignore_eos": True}
+    began = time.perf_counter()
+    r = httpx.post(f"{apps['deadline']}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+    assert time.perf_counter() - began < 10
+    short = httpx.post(f"{apps['deadline']}/v1/chat/completions", json=body | {"max_tokens": 2}, timeout=60)
+    assert short.status_code == 200
 
 
 def test_load_200_requests_at_concurrency_16(apps, references):
