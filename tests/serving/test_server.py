@@ -210,7 +210,7 @@ def test_draft_worker_killed_mid_stream(apps, references):
     """The stream completes with the exact greedy text; the restarted drafter resumes speculation."""
     import ray
 
-    url = apps["eagle"]
+    url = apps["chain"]  # drafts every round (no ModeChooser): the kill always meets a draft call
     names = httpx.get(f"{url}/health").json()["actor_names"]
     draft = ray.get_actor(names["draft"], namespace="aerie")
     killed = threading.Event()
