@@ -86,8 +86,19 @@ def test_bad_jsonl_lines_are_reported_and_the_rest_served(tmp_path, smollm2_dir)
             ["serve", "--config", "configs/smollm2-135m/serve.yaml", "spec.method=beam"],
             "spec.method: Input should be 'chain' or 'tree'",
         ),
+        (
+            ["serve", "--config", "configs/smollm2-135m/serve.yaml", "drafter=/nonexistent/drafter"],
+            "drafter '/nonexistent/drafter' is not a drafter directory",
+        ),
     ],
-    ids=["missing-model", "unknown-model-name", "serve-missing-config", "serve-bad-batch", "serve-bad-method"],
+    ids=[
+        "missing-model",
+        "unknown-model-name",
+        "serve-missing-config",
+        "serve-bad-batch",
+        "serve-bad-method",
+        "serve-missing-drafter",
+    ],
 )
 def test_user_errors_are_one_line(args, pattern):
     _assert_one_line_error(_aerie(*args), pattern)

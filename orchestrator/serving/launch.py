@@ -35,7 +35,7 @@ def read_serve_config(path: str | Path, overrides: list[str] | None = None) -> t
         merged = OmegaConf.merge(OmegaConf.create(app.get("args") or {}), OmegaConf.from_dotlist(overrides or []))
         app["args"] = OmegaConf.to_container(merged, resolve=True)
         if app["import_path"].startswith("orchestrator.serving.app:"):
-            SpecServeConfig.model_validate(app["args"])
+            _check_drafter(SpecServeConfig.model_validate(app["args"]))
     except ValidationError as err:
         raise AerieError(f"{path}: {describe_validation_error(err)}") from err
     except Exception as err:  # OmegaConf's errors for malformed overrides
@@ -43,6 +43,20 @@ def read_serve_config(path: str | Path, overrides: list[str] | None = None) -> t
             raise
         raise AerieError(f"bad override: {err}") from err
     return config, app
+
+
+def _check_drafter(cfg) -> None:
+    """A local drafter directory must exist before anything starts (s3:// and models:/ are fetched later)."""
+    local = cfg.speculation and cfg.proposer_factory is None and cfg.drafter is not None
+    if (
+        local
+        and not cfg.drafter.startswith(("s3://", "models:/"))
+        and not (Path(cfg.drafter) / "config.json").is_file()
+    ):
+        raise AerieError(
+            f"drafter {cfg.drafter!r} is not a drafter directory: train one (`make drafters`), "
+            "or set drafter=DIR|s3://...|models:/NAME@ALIAS, or speculation=false"
+        )
 
 
 def serve_app(
