@@ -16,7 +16,14 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 def test_benchmark_job_reports_both_modes(tiny_chat, tiny_drafter, tmp_path):
     app = tmp_path / "serve.yaml"
-    args = app_args(tiny_chat, drafter=str(tiny_drafter), spec={"method": "tree", "depth": 3, "topk": 2, "budget": 6})
+    # Fixed budgets: the random drafter drafts every round (ModeChooser would rightly stop it drafting), so
+    # the spec side's numbers (draft calls, trees) are there whatever the probe rate.
+    args = app_args(
+        tiny_chat,
+        drafter=str(tiny_drafter),
+        spec={"method": "tree", "depth": 3, "topk": 2, "budget": 6},
+        scheduler={"adaptive": False},
+    )
     app.write_text(
         yaml.safe_dump({"applications": [{"import_path": "orchestrator.serving.app:build_app", "args": args}]})
     )

@@ -101,7 +101,10 @@ def test_mode_chooser_follows_measured_rates_and_reprobes():
     assert modes.choose(8) is True  # nothing measured: draft
     modes.observe(True, 8, tokens=10, seconds=1.0)
     assert modes.choose(8) is False  # then measure target-only
-    modes.observe(False, 8, tokens=20, seconds=1.0)
+    modes.observe(False, 8, tokens=11, seconds=1.0)
     picks = [modes.choose(8) for _ in range(8)]
     assert picks.count(True) == 2 and picks.count(False) == 6  # target-only wins; drafted re-probed 1 in 4
+    modes.observe(False, 8, tokens=40, seconds=1.0)  # now far ahead: drafted rounds re-probed 1 in 16
+    picks = [modes.choose(8) for _ in range(32)]
+    assert picks.count(True) == 2
     assert modes.choose(1) is True  # another batch size is measured on its own
