@@ -305,7 +305,7 @@ def load_spec_engine(
     from orchestrator.models.checkpoint import load_drafter
     from orchestrator.models.target import read_hf_config
 
-    drafter = load_drafter(drafter_dir)
+    drafter = load_drafter(drafter_dir, packed=True)
     hf = read_hf_config(target_dir)
     if drafter.config.vocab_size != hf["vocab_size"] or drafter.config.target_hidden_size != hf["hidden_size"]:
         raise AerieError(

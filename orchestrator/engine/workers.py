@@ -323,7 +323,7 @@ def _load_drafter(drafter_dir: str | Path | None, target_dir: str | Path):
 
     if drafter_dir is None:
         raise AerieError("speculation needs a drafter directory")
-    drafter = load_drafter(drafter_dir)
+    drafter = load_drafter(drafter_dir, packed=True)
     if not drafter.config.stores_embeddings:
         for file in sorted(Path(target_dir).glob("*.safetensors")):
             with safe_open(file, framework="pt") as f:

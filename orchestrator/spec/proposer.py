@@ -130,22 +130,23 @@ class EagleProposer:
     def _add_children(self, g: _Growing, parent: int, draft_logits: torch.Tensor) -> None:
         """Draw `topk` children of `parent` (-1 = root) from its draft logits [draft_vocab]."""
         k = self.topk
-        logits = self.drafter.target_logits(draft_logits[None])[0]  # [vocab], -inf outside the draft vocab
         params = g.item.params
-        if params.greedy:
-            logq = torch.log_softmax(logits.float(), dim=-1)
-            tokens = torch.topk(logq, k).indices
+        if params.greedy:  # the top k over the draft vocabulary (everything else has probability 0)
+            top = torch.topk(torch.log_softmax(draft_logits.float(), dim=-1), k)
+            tokens, logps = self.drafter.to_target_ids(top.indices).tolist(), top.values.tolist()
         else:
+            logits = self.drafter.target_logits(draft_logits[None])[0]  # [vocab], -inf outside the draft vocab
             q = probabilities(logits, params)
             logq = torch.log(q)
             gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=g.item.generator).clamp_min(1e-20)))
             keys = torch.topk(logq + gumbel, k)
-            tokens = keys.indices[torch.isfinite(keys.values)]  # drawn without replacement, in drawing order
+            drawn = keys.indices[torch.isfinite(keys.values)]  # drawn without replacement, in drawing order
+            tokens, logps = drawn.tolist(), logq[drawn].tolist()
             g.draft_probs[parent] = q
         base = 0.0 if parent < 0 else g.candidates[parent].score
         depth = 1 if parent < 0 else g.candidates[parent].depth + 1
-        for order, token in enumerate(tokens.tolist()):
-            g.candidates.append(_Candidate(parent, token, base + float(logq[token]), depth, order))
+        for order, (token, logp) in enumerate(zip(tokens, logps, strict=True)):
+            g.candidates.append(_Candidate(parent, token, base + logp, depth, order))
             if parent >= 0:
                 g.candidates[parent].children.append(len(g.candidates) - 1)
 
