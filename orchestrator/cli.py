@@ -160,7 +160,7 @@ def _generate_vllm(args, prompts, params) -> list[dict]:
 def _serve(args: argparse.Namespace) -> int:
     from orchestrator.serving.launch import serve_app
 
-    serve_app(args.config, args.overrides, args.address, args.host, args.port)
+    serve_app(args.config, args.overrides, args.address, args.host, args.port, backend=args.backend)
     return 0
 
 
@@ -205,7 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="start an OpenAI-compatible server from a Ray Serve config file")
-    p.add_argument("--config", required=True, help="Serve config (configs/*/serve*.yaml)")
+    p.add_argument(
+        "--config", default=None, help="Serve config (default: the backend's configs/smollm2-135m/serve*.yaml)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("disaggregated", "vllm"),
+        default=None,
+        help="disaggregated: draft and target workers on Ray; vllm: vLLM's EAGLE on Ray Serve LLM",
+    )
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--host", default=None, help="HTTP host (default: the config's)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")

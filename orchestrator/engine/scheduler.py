@@ -289,6 +289,7 @@ class SpecScheduler:
         t["verified_tokens"] += out.verified_tokens
         t["budget_tokens"] += self.cfg.budget_tokens
         t["drafted"] += sum(drafted)
+        t["drafted_requests"] += sum(1 for d in drafted if d)
         t["accepted"] += sum(accepted)
         t["verify_calls"] += 1
         t["verify_call_s"] += latency
@@ -406,6 +407,7 @@ _TOTALS = (
     "verified_tokens",
     "budget_tokens",
     "drafted",
+    "drafted_requests",  # request-steps verified with a draft (acceptance length = 1 + accepted / this)
     "accepted",
     "draft_calls",
     "draft_call_s",

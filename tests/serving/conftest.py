@@ -88,6 +88,7 @@ def serve_session():
         num_cpus=8,
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}},
+        _system_config={"metrics_report_interval_ms": 1000},  # rollouts read vLLM's counters from Prometheus
     )
     port = free_port()  # after ray.init: Ray's own processes take random ports as they start
     serve.start(http_options={"host": "127.0.0.1", "port": port})

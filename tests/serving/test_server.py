@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def apps(serve_session, tiny_chat, tiny_drafter, references) -> dict[str, str]:
+def apps(serve_session, tiny_chat, tiny_drafter, references):
     """chain and tree apps with the oracle proposer (acceptance 0..all), one with the real EAGLE drafter, and
     a target-only one."""
     oracle = {"proposer_factory": "tests.serving.oracle:OracleProposer"}
@@ -52,7 +52,11 @@ def apps(serve_session, tiny_chat, tiny_drafter, references) -> dict[str, str]:
             "deadline", app_args(tiny_chat, speculation=False, scheduler={"request_timeout_s": 0.5}), serve_session
         ),
     }
-    return urls
+    yield urls
+    from ray import serve
+
+    for name in urls:  # free their workers for the modules that follow
+        serve.delete(name)
 
 
 def _chat(url: str, messages, **kw) -> dict:

@@ -1,0 +1,25 @@
+"""Rolling drafter deployment with a canary and an acceptance gate (either backend).
+
+python -m jobs.deploy --config configs/smollm2-135m/deploy.yaml drafter=models:/NAME@candidate
+
+Exit status 0: deployed (initial or promoted); 1: rolled back or the candidate failed to start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from orchestrator.jobrunner import run_job
+from orchestrator.serving.rollout import DeployConfig, run_rollout
+
+
+def main(cfg: DeployConfig) -> int:
+    record = run_rollout(cfg)
+    summary = {k: record.get(k) for k in ("decision", "app", "drafter", "reason", "acceptance", "record_dir")}
+    print(json.dumps(summary, indent=2))
+    return 0 if record["decision"] in ("initial", "promoted") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_job(__doc__, DeployConfig, main))

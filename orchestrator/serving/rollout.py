@@ -1,0 +1,405 @@
+"""Rolling drafter deployments behind the router, gated by live acceptance.
+
+A served model is a router application (`name`, route /) in front of backend applications `name-1`,
+`name-2`, ... (each one drafter version, either backend). `deploy`:
+
+    no router yet      -> start backend name-1 and the router (100% to it): an initial deployment
+    otherwise          -> start backend name-N with the new drafter beside the stable one
+                          canary: the router sends it `canary_weight` of new requests
+                          watch:  acceptance length of both, from their engines' counters, over the same window
+                          decide: promote if canary >= stable - tolerance, else roll back
+                          switch: the loser gets weight 0, its requests in flight finish (drain), it is deleted
+
+No request fails on the way: requests are only ever sent to running backends, a backend is deleted only once
+nothing is in flight there, and Serve's own graceful shutdown covers the rest. Every step is logged, and the
+decision is recorded: `record.json` (+ a timeline plot) under `output_dir`, and, for a `models:/` drafter,
+tags on its registry version and the `production` alias moved on promotion.
+
+Acceptance length is vLLM's: 1 + accepted draft tokens / drafted request-steps. The disaggregated backend
+reports them on its `/stats`; the vLLM backend's engines export `vllm:spec_decode_num_drafts` and
+`vllm:spec_decode_num_accepted_tokens` to Ray's Prometheus endpoints, per replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+from pydantic import Field
+
+from orchestrator.config import StrictModel
+from orchestrator.errors import AerieError
+from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+class DeployConfig(StrictModel):
+    """`python -m jobs.deploy` settings."""
+
+    app: str = Field(description="Serve config file of the backend (serve.yaml: disaggregated, serve-vllm.yaml)")
+    drafter: str | None = Field(None, description="the drafter to deploy: a directory, s3://... or models:/...")
+    app_overrides: list[str] = Field([], description="more key=value overrides of the backend's args")
+    name: str = Field("aerie", description="the router application; backends are NAME-1, NAME-2, ...")
+    route_prefix: str = Field("/", description="the router's route: the clients' endpoint")
+    address: str | None = Field(None, description="Ray cluster (None: RAY_ADDRESS, else start a local Ray)")
+    host: str = Field("127.0.0.1", description="Serve's HTTP proxy host, as the job reaches it")
+    port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP proxy port")
+    canary_weight: float = Field(0.25, gt=0, lt=1, description="share of new requests the candidate takes")
+    window_s: float = Field(60, gt=0, description="shortest canary watch")
+    max_window_s: float = Field(600, gt=0, description="longest canary watch waiting for min_drafts")
+    min_drafts: int = Field(50, ge=1, description="drafted request-steps each side needs before a decision")
+    tolerance: float = Field(0.1, ge=0, description="promote if canary acceptance >= stable's minus this")
+    startup_timeout_s: float = Field(900, gt=0, description="longest a new backend may take to come up")
+    drain_timeout_s: float = Field(600, gt=0, description="longest to wait for in-flight requests")
+    poll_s: float = Field(1.0, gt=0, description="timeline / counter sampling period")
+    production_alias: str = Field("production", description="registry alias moved on promotion")
+    tracking_uri: str | None = Field(None, description="MLflow (default: MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    output_dir: str = Field("runs/deploy", description="where record.json and the timeline go")
+
+
+# -- acceptance counters ---------------------------------------------------------------------------------------
+
+
+def _get_json(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def stats_counters(base: str) -> tuple[float, float]:
+    """(accepted draft tokens, drafted request-steps) of a disaggregated backend, from its /stats."""
+    s = _get_json(f"{base}/stats")
+    return float(s["accepted"]), float(s["drafted_requests"])
+
+
+_VLLM = {"accepted": "spec_decode_num_accepted_tokens", "drafts": "spec_decode_num_drafts"}
+_SAMPLE = re.compile(r"^(?P<name>[^{\s]+)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
+
+
+def vllm_counters(app: str) -> tuple[float, float]:
+    """(accepted, drafts) summed over the vLLM engines of Serve application `app`, from the Prometheus
+    endpoint of every Ray node (samples carry the engine's `ReplicaId`)."""
+    import ray
+
+    replicas = {name.rsplit("#", 1)[-1] for name in _replica_actors(app)}
+    totals = {"accepted": 0.0, "drafts": 0.0}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            m = _SAMPLE.match(line)
+            if not m:
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+            if labels.get("ReplicaId") not in replicas:
+                continue
+            for key, metric in _VLLM.items():
+                if m["name"] == f"ray_vllm_{metric}_total":
+                    totals[key] += float(m["value"])
+    return totals["accepted"], totals["drafts"]
+
+
+def acceptance_length(before: tuple[float, float], after: tuple[float, float]) -> tuple[float, float]:
+    """(acceptance length over the window, drafted request-steps in it)."""
+    accepted, drafts = after[0] - before[0], after[1] - before[1]
+    return (1.0 + accepted / drafts if drafts > 0 else 1.0), drafts
+
+
+# -- Serve plumbing ----------------------------------------------------------------------------------------------
+
+
+def _backend_builder(import_path: str):
+    from orchestrator.serving.app import _import
+
+    return _import(import_path)
+
+
+def _wait_running(app: str, timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(app)
+        state = str(status.status) if status else "MISSING"
+        if state.endswith("RUNNING"):
+            return
+        if state.endswith(("DEPLOY_FAILED", "UNHEALTHY")) or time.monotonic() > deadline:
+            message = status.message if status else "not found"
+            raise AerieError(f"backend {app} did not come up ({state}): {message[-500:]}")
+        time.sleep(1)
+
+
+class Rollout:
+    """One `jobs.deploy` run."""
+
+    def __init__(self, cfg: DeployConfig) -> None:
+        self.cfg = cfg
+        self.proxy = f"http://{cfg.host}:{cfg.port}"
+        self.base = f"{self.proxy}{cfg.route_prefix.rstrip('/')}"
+        self.events: list[dict] = []
+        self.timeline: list[dict] = []
+        self.t0 = time.monotonic()
+
+    def event(self, what: str, **details) -> None:
+        entry = {"t": round(time.monotonic() - self.t0, 2), "event": what, **details}
+        self.events.append(entry)
+        log.info("%s %s", what, json.dumps(details, default=str))
+        print(f"[deploy {entry['t']:7.1f}s] {what} {json.dumps(details, default=str)}", flush=True)
+
+    # -- router --------------------------------------------------------------------------------------------------
+
+    def router_status(self) -> dict | None:
+        """The route table's status; None when this router application is not running."""
+        import ray
+        from ray import serve
+
+        from orchestrator.serving.router import route_table
+
+        if self.cfg.name not in serve.status().applications:
+            return None
+        return ray.get(route_table(self.cfg.name).status.remote())
+
+    def set_routes(self, routes: list[Route]) -> None:
+        """Point the router at `routes` (deploying the router first if needed); returns once every router
+        replica routes by them."""
+        import ray
+        from ray import serve
+
+        from orchestrator.serving.router import build_router, route_table
+
+        table = route_table(self.cfg.name, routes)
+        ray.get(table.set_routes.remote([r.model_dump() for r in routes]))
+        if self.cfg.name not in serve.status().applications:
+            cfg = RouterConfig(name=self.cfg.name, routes=routes, upstream=f"http://127.0.0.1:{self.cfg.port}")
+            serve.run(
+                build_router(cfg.model_dump()), name=self.cfg.name, route_prefix=self.cfg.route_prefix, blocking=False
+            )
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if ray.get(table.status.remote())["replicas_current"]:
+                self.event("routes", routes={r.app: r.weight for r in routes})
+                return
+            time.sleep(0.1)
+        raise AerieError(f"the router did not take routes {[(r.app, r.weight) for r in routes]}")
+
+    def sample(self) -> dict:
+        status = self.router_status() or {"backends": {}}
+        row = {"t": round(time.monotonic() - self.t0, 2), "backends": status["backends"]}
+        self.timeline.append(row)
+        return row
+
+    def drain(self, app: str) -> None:
+        """Wait until the router has nothing in flight at `app` (it gets no new requests any more)."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while time.monotonic() < deadline:
+            counts = self.sample()["backends"].get(app, {})
+            if counts.get("in_flight", 0) <= 0:
+                self.event("drained", app=app)
+                return
+            time.sleep(self.cfg.poll_s)
+        self.event("drain timed out; Serve's graceful shutdown takes over", app=app)
+
+    # -- backends ------------------------------------------------------------------------------------------------
+
+    def start_backend(self, app: str, config_app: dict) -> None:
+        from ray import serve
+
+        builder = _backend_builder(config_app["import_path"])
+        self.event("starting backend", app=app, drafter=config_app["args"].get("drafter"))
+        serve.run(builder(config_app["args"]), name=app, route_prefix=f"{BACKEND_PREFIX}/{app}", blocking=False)
+        _wait_running(app, self.cfg.startup_timeout_s)
+        self.event("backend running", app=app)
+
+    def counters(self, app: str, import_path: str) -> tuple[float, float]:
+        if import_path.startswith("orchestrator.serving.vllm_app:"):
+            return vllm_counters(app)
+        return stats_counters(f"{self.proxy}{BACKEND_PREFIX}/{app}")
+
+    def next_app(self) -> str:
+        from ray import serve
+
+        taken = [
+            int(m.group(1))
+            for name in serve.status().applications
+            if (m := re.fullmatch(rf"{re.escape(self.cfg.name)}-(\d+)", name))
+        ]
+        return f"{self.cfg.name}-{max(taken, default=0) + 1}"
+
+
+def undeploy(name: str) -> None:
+    """Delete a served model: its router, every backend NAME-N and the route table."""
+    import ray
+    from ray import serve
+
+    apps = [a for a in serve.status().applications if a == name or re.fullmatch(rf"{re.escape(name)}-\d+", a)]
+    for app in apps:
+        serve.delete(app)
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(f"routes-{name}", namespace="aerie"))
+
+
+def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
+    """Deploy `cfg.drafter` (initially, or as a gated canary); returns the record (also written to disk).
+    initial_only: refuse when the application is already served (`aerie serve`)."""
+    from ray import serve
+
+    from orchestrator.jobrunner import init_ray
+    from orchestrator.serving.launch import read_serve_config
+
+    overrides = list(cfg.app_overrides) + ([f"drafter={cfg.drafter}"] if cfg.drafter else [])
+    _, config_app = read_serve_config(cfg.app, overrides)
+    import_path = config_app["import_path"]
+    version = config_app["args"].get("drafter") or "(no drafter)"
+    init_ray(cfg.address)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    ro = Rollout(cfg)
+    status = ro.router_status()
+    record: dict = {"name": cfg.name, "backend": import_path, "drafter": version}
+    if status is None:
+        app = ro.next_app()
+        ro.start_backend(app, config_app)
+        ro.set_routes([Route(app=app, weight=1.0, version=version)])
+        record.update(decision="initial", app=app)
+    elif initial_only:
+        raise AerieError(f"{cfg.name} is already served at {ro.base}: roll a new drafter out with jobs.deploy")
+    else:
+        live = [r for r in status["routes"] if r["weight"] > 0]
+        if len(live) != 1:
+            raise AerieError(f"{cfg.name} is mid-rollout ({live}): finish or undo that one first")
+        stable = Route.model_validate(live[0])
+        canary = Route(app=ro.next_app(), weight=cfg.canary_weight, version=version)
+        record.update(stable=stable.model_dump(), canary=canary.model_dump())
+        try:
+            ro.start_backend(canary.app, config_app)
+        except AerieError as err:
+            ro.event("candidate failed to start; stable untouched", error=str(err))
+            serve.delete(canary.app)
+            record.update(decision="failed", reason=str(err))
+            return _finish(ro, cfg, record)
+        stable_path = _import_path_of(stable)
+        before = {
+            stable.app: ro.counters(stable.app, stable_path),
+            canary.app: ro.counters(canary.app, import_path),
+        }
+        ro.set_routes([stable.model_copy(update={"weight": 1 - cfg.canary_weight}), canary])
+        watched = _watch(ro, cfg, before, {stable.app: stable_path, canary.app: import_path})
+        stable_al, canary_al = watched[stable.app][0], watched[canary.app][0]
+        promote = canary_al >= stable_al - cfg.tolerance
+        record.update(
+            acceptance={app: {"acceptance_length": al, "drafts": n} for app, (al, n) in watched.items()},
+            decision="promoted" if promote else "rolled back",
+            reason=f"canary {canary_al:.3f} vs stable {stable_al:.3f} - tolerance {cfg.tolerance}",
+        )
+        ro.event(record["decision"], reason=record["reason"])
+        winner, loser = (canary, stable) if promote else (stable, canary)
+        ro.set_routes([winner.model_copy(update={"weight": 1.0})] + [loser.model_copy(update={"weight": 0.0})])
+        ro.drain(loser.app)
+        ro.set_routes([winner.model_copy(update={"weight": 1.0})])
+        serve.delete(loser.app)
+        ro.event("deleted", app=loser.app)
+        record["app"] = winner.app
+    return _finish(ro, cfg, record)
+
+
+def _replica_actors(app: str) -> list[str]:
+    """Names of the Serve replica actors of application `app` ('SERVE_REPLICA::app#deployment#id')."""
+    import ray
+
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
+    ]
+
+
+def _import_path_of(route: Route) -> str:
+    """The kind of a running backend: the vLLM app's replicas are Ray Serve LLM's `LLMServer`."""
+    vllm = any("#LLMServer" in name for name in _replica_actors(route.app))
+    return "orchestrator.serving.vllm_app:build_app" if vllm else "orchestrator.serving.app:build_app"
+
+
+def _watch(ro: Rollout, cfg: DeployConfig, before: dict, paths: dict) -> dict[str, tuple[float, float]]:
+    """Acceptance length of every app over a window of at least window_s and min_drafts on each side."""
+    start = time.monotonic()
+    while True:
+        time.sleep(cfg.poll_s)
+        ro.sample()
+        elapsed = time.monotonic() - start
+        if elapsed < cfg.window_s:
+            continue
+        now = {app: acceptance_length(before[app], ro.counters(app, path)) for app, path in paths.items()}
+        ro.event("watch", **{app: {"acceptance_length": round(al, 3), "drafts": n} for app, (al, n) in now.items()})
+        if all(n >= cfg.min_drafts for _, n in now.values()) or elapsed >= cfg.max_window_s:
+            return now
+
+
+def _finish(ro: Rollout, cfg: DeployConfig, record: dict) -> dict:
+    out = Path(cfg.output_dir) / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    ro.sample()
+    record.update(events=ro.events, timeline=ro.timeline)
+    (out / "record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    if len(ro.timeline) > 1:
+        plot_timeline(ro.timeline, out / "timeline.png")
+    record["record_dir"] = str(out)
+    _record_in_registry(cfg, record)
+    return record
+
+
+def plot_timeline(timeline: list[dict], path: Path) -> None:
+    """Requests/s and failures per backend during the rollout (from the router's counters)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    apps = sorted({a for row in timeline for a in row["backends"]})
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for app in apps:
+        pts = [(row["t"], row["backends"][app]) for row in timeline if app in row["backends"]]
+        ts = [t for t, _ in pts][1:]
+        rate = [
+            (b["requests"] - a["requests"]) / max(t1 - t0, 1e-6) for (t0, a), (t1, b) in zip(pts, pts[1:], strict=False)
+        ]
+        ax.plot(ts, rate, label=f"{app} req/s")
+        fails = [t for (t, a), (_, b) in zip(pts, pts[1:], strict=False) if b["failed"] > a["failed"]]
+        if fails:
+            ax.scatter(fails, [0] * len(fails), marker="x", color="red", label=f"{app} failures")
+    ax.set_xlabel("seconds since the rollout started")
+    ax.set_ylabel("requests / s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _record_in_registry(cfg: DeployConfig, record: dict) -> None:
+    """Tag the drafter's registry version with the decision; move `production_alias` on promotion."""
+    drafter = record.get("drafter", "")
+    if not str(drafter).startswith("models:/"):
+        return
+    from orchestrator.tracking.store import client
+
+    body = drafter[len("models:/") :]
+    c = client(cfg.tracking_uri)
+    name, has_alias, alias = body.partition("@")
+    if has_alias:
+        version = c.get_model_version_by_alias(name, alias).version
+    else:
+        name, _, version = body.partition("/")
+    decision = record["decision"]
+    c.set_model_version_tag(name, version, "aerie.rollout", decision)
+    c.set_model_version_tag(name, version, "aerie.rollout.app", record.get("app") or "")
+    if "reason" in record:
+        c.set_model_version_tag(name, version, "aerie.rollout.reason", record["reason"])
+    if decision in ("initial", "promoted"):
+        c.set_registered_model_alias(name, cfg.production_alias, version)
+    print(f"[deploy] {name} version {version}: {decision}", flush=True)

@@ -1,0 +1,189 @@
+"""The traffic router in front of a served model: what makes drafter rollouts possible without a failed request.
+
+    HTTP /v1/... ──> Router (app "aerie", route /) ──weights──> backend app "aerie-v1" (/_backends/v1)
+                                                          └───> backend app "aerie-v2" (/_backends/v2)  (canary)
+
+Each backend is a whole Serve application (the disaggregated app or the vLLM app, one drafter version). The
+router forwards every request, streaming or not, to one backend drawn by weight, through Serve's HTTP proxy on
+this node. Weights live in a route table (a detached named actor) that every router replica polls
+(`REPORT_PERIOD_S`), so changing them (`jobs.deploy`) restarts nothing: requests in flight finish where they
+started, new ones follow the new weights.
+
+`GET /router/status` reports the routes and, per backend, requests forwarded, in flight and failed (HTTP 5xx
+or a broken connection), summed over the router's replicas: what a rollout watches before it removes a
+backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+from ray import serve
+
+from orchestrator.config import StrictModel
+
+log = logging.getLogger(__name__)
+
+BACKEND_PREFIX = "/_backends"
+
+
+class Route(StrictModel):
+    app: str = Field(description="the backend's Serve application name")
+    weight: float = Field(ge=0, description="share of new requests (relative to the other routes)")
+    version: str = Field("", description="what is served there, e.g. the drafter's models:/ URI")
+
+    @property
+    def prefix(self) -> str:
+        return f"{BACKEND_PREFIX}/{self.app}"
+
+
+class RouterConfig(StrictModel):
+    name: str = Field(description="the router application's name (names its route table)")
+    routes: list[Route] = Field(min_length=1, description="where requests go until the route table says otherwise")
+    upstream: str = Field("http://127.0.0.1:8000", description="Serve's HTTP proxy, as seen from the router")
+
+
+ROUTES_NAMESPACE = "aerie"
+REPORT_PERIOD_S = 0.25
+
+
+@ray.remote(num_cpus=0)
+class RouteTable:
+    """The routes of one router application and the counters its replicas report (a detached named actor:
+    changing routes never restarts a router replica)."""
+
+    def __init__(self, routes: list[dict]) -> None:
+        self.routes, self.version = routes, 1
+        self.replicas: dict[str, dict] = {}  # replica -> {"version", "counts", "at"}
+
+    def set_routes(self, routes: list[dict]) -> int:
+        self.routes, self.version = routes, self.version + 1
+        return self.version
+
+    def get(self) -> tuple[int, list[dict]]:
+        return self.version, self.routes
+
+    def report(self, replica: str, version: int, counts: dict) -> tuple[int, list[dict]]:
+        self.replicas[replica] = {"version": version, "counts": counts, "at": time.monotonic()}
+        return self.version, self.routes
+
+    def status(self) -> dict:
+        """Routes, and per backend the counters summed over the replicas heard from in the last 5 s."""
+        now = time.monotonic()
+        live = {r: v for r, v in self.replicas.items() if now - v["at"] < 5}
+        backends: dict[str, dict[str, int]] = {}
+        for rep in self.replicas.values():  # counters of gone replicas still count (requests, failures)
+            for app, counts in rep["counts"].items():
+                total = backends.setdefault(app, {"requests": 0, "in_flight": 0, "failed": 0})
+                for key, value in counts.items():
+                    total[key] += value
+        return {
+            "version": self.version,
+            "routes": self.routes,
+            "backends": backends,
+            "replicas_current": bool(live) and all(v["version"] == self.version for v in live.values()),
+        }
+
+
+def route_table(name: str, routes: list[Route] | None = None):
+    """The route table of router application `name` (created with `routes` when missing)."""
+    return RouteTable.options(
+        name=f"routes-{name}", namespace=ROUTES_NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote([r.model_dump() for r in routes or []])
+
+
+_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+router_api = FastAPI(title="aerie-router")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
+@serve.ingress(router_api)
+class Router:
+    """Weighted forwarding to backend applications, routes from the route table."""
+
+    def __init__(self, config: dict) -> None:
+        import asyncio
+        import uuid
+
+        import httpx
+
+        self.config = RouterConfig.model_validate(config)
+        self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=512))
+        self.table = route_table(self.config.name, self.config.routes)
+        self.version, self.routes = 0, list(self.config.routes)
+        self.counts: dict[str, dict[str, int]] = {}
+        self.replica = uuid.uuid4().hex[:8]
+        self._sync_task = asyncio.get_event_loop().create_task(self._sync())
+
+    async def _sync(self) -> None:
+        """Report counters and pick up the current routes, every REPORT_PERIOD_S."""
+        import asyncio
+
+        while True:
+            try:
+                version, routes = await self.table.report.remote(self.replica, self.version, self.counts)
+                if version != self.version:
+                    self.routes = [Route.model_validate(r) for r in routes]
+                    self.version = version
+                    log.info("routes v%d: %s", version, [(r.app, r.weight) for r in self.routes])
+            except Exception as err:  # noqa: BLE001 (the table restarting must not stop routing)
+                log.warning("route table unreachable: %s", err)
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    @router_api.get("/router/status")
+    async def status(self) -> dict:
+        return await self.table.status.remote()
+
+    @router_api.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(self, path: str, request: Request):
+        import httpx
+
+        live = [r for r in self.routes if r.weight > 0]
+        if not live:
+            return JSONResponse({"error": {"message": "no backend takes traffic", "type": "unavailable"}}, 503)
+        route = random.choices(live, weights=[r.weight for r in live])[0]
+        counts = self.counts.setdefault(route.app, {"requests": 0, "in_flight": 0, "failed": 0})
+        counts["requests"] += 1
+        counts["in_flight"] += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        url = f"{self.config.upstream}{route.prefix}/{path}"
+        try:
+            upstream = await self.client.send(
+                self.client.build_request(
+                    request.method, url, params=request.query_params, headers=headers, content=await request.body()
+                ),
+                stream=True,
+            )
+        except httpx.HTTPError as err:
+            counts["in_flight"] -= 1
+            counts["failed"] += 1
+            log.warning("backend %s unreachable: %s", route.app, err)
+            return JSONResponse({"error": {"message": f"backend unreachable: {err}", "type": "unavailable"}}, 503)
+        if upstream.status_code >= 500:
+            counts["failed"] += 1
+
+        async def body():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as err:
+                counts["failed"] += 1
+                log.warning("backend %s broke a response: %s", route.app, err)
+            finally:
+                counts["in_flight"] -= 1
+                await upstream.aclose()
+
+        keep = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        return StreamingResponse(body(), status_code=upstream.status_code, headers=keep)
+
+
+def build_router(args: dict) -> serve.Application:
+    """Application builder: `import_path: orchestrator.serving.router:build_router`, args = a RouterConfig."""
+    cfg = RouterConfig.model_validate(args)
+    return Router.bind(cfg.model_dump())

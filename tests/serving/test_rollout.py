@@ -1,0 +1,210 @@
+"""Rolling drafter deployments (`jobs.deploy`) on the disaggregated backend, under constant streaming load:
+a good candidate is promoted, a random-weights candidate is rolled back by the acceptance gate, and no
+request fails or comes back malformed on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.serving.conftest import QUESTIONS, app_args
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+class StreamingLoad:
+    """`users` clients sending streaming chat requests back to back until stopped; every response checked."""
+
+    def __init__(self, url: str, users: int = 4, max_tokens: int = 16, model: str = "tiny") -> None:
+        self.url, self.users, self.max_tokens, self.model = url, users, max_tokens, model
+        self.results: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> StreamingLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=300)
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(self._user(client, u) for u in range(self.users)))
+
+    async def _user(self, client: httpx.AsyncClient, user: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            question = QUESTIONS[(user + i) % len(QUESTIONS)]
+            i += 1
+            body = {
+                "model": self.model,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": self.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            start = time.monotonic()
+            result = {"start": start, "status": None, "ok": False, "error": None}
+            try:
+                async with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
+                    result["status"] = r.status_code
+                    events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+                chunks = [json.loads(e) for e in events[:-1]]
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+                finish = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+                result["ok"] = (
+                    r.status_code == 200
+                    and events[-1] == "[DONE]"
+                    and not any("error" in c for c in chunks)
+                    and bool(text)
+                    and finish[-1] == "length"
+                )
+            except Exception as err:  # noqa: BLE001 (every failure is a test failure, recorded)
+                result["error"] = repr(err)
+            result["end"] = time.monotonic()
+            self.results.append(result)
+
+    def failures(self) -> list[dict]:
+        return [r for r in self.results if not r["ok"]]
+
+
+def serve_config(path: Path, name: str, args: dict, import_path: str = "orchestrator.serving.app:build_app") -> Path:
+    path.write_text(yaml.safe_dump({"applications": [{"name": name, "import_path": import_path, "args": args}]}))
+    return path
+
+
+def deploy_cfg(serve_session: str, app: Path, name: str, **kw):
+    from orchestrator.serving.rollout import DeployConfig
+
+    port = int(serve_session.rsplit(":", 1)[1])
+    defaults = {"window_s": 4, "min_drafts": 20, "poll_s": 0.5, "startup_timeout_s": 600, "drain_timeout_s": 120}
+    return DeployConfig(app=str(app), name=name, route_prefix=f"/{name}", port=port, **(defaults | kw))
+
+
+def _random_drafter(tiny_chat: Path, out: Path, seed: int) -> Path:
+    from orchestrator.models.checkpoint import save_drafter
+    from tests.helpers import random_drafter
+
+    hf = json.loads((tiny_chat / "config.json").read_text())
+    return save_drafter(random_drafter(hf, draft_vocab_size=2048, seed=seed), out)
+
+
+def test_rollout_to_a_new_drafter_under_load_loses_no_request(serve_session, tiny_chat, tiny_drafter, tmp_path):
+    from ray import serve
+
+    from orchestrator.serving.rollout import run_rollout, undeploy
+
+    args = app_args(tiny_chat, drafter=str(tiny_drafter), scheduler={"adaptive": False})
+    app = serve_config(tmp_path / "serve.yaml", "roll", args)
+    first = run_rollout(deploy_cfg(serve_session, app, "roll", output_dir=str(tmp_path / "deploy")))
+    assert first["decision"] == "initial" and first["app"] == "roll-1"
+    v2 = _random_drafter(tiny_chat, tmp_path / "v2", seed=1)
+    url = f"{serve_session}/roll"
+    with StreamingLoad(url) as load:
+        time.sleep(3)
+        record = run_rollout(
+            deploy_cfg(
+                serve_session,
+                app,
+                "roll",
+                drafter=str(v2),
+                tolerance=0.5,
+                canary_weight=0.5,
+                output_dir=str(tmp_path / "deploy"),
+            )
+        )
+        time.sleep(2)
+    print(json.dumps({k: record[k] for k in ("decision", "acceptance", "reason")}, indent=1))
+    assert record["decision"] == "promoted" and record["app"] == "roll-2"
+    assert len(load.results) >= 20 and load.failures() == []
+    backends = record["timeline"][-1]["backends"]
+    assert backends["roll-1"]["requests"] > 0 and backends["roll-2"]["requests"] > 0  # the canary got traffic
+    assert all(b["failed"] == 0 for b in backends.values())
+    assert all(a["drafts"] >= 20 for a in record["acceptance"].values())
+    assert "roll-1" not in serve.status().applications  # the old version is gone
+    status = httpx.get(f"{url}/router/status").json()
+    assert [r["app"] for r in status["routes"]] == ["roll-2"] and status["routes"][0]["version"] == str(v2)
+    assert (Path(record["record_dir"]) / "record.json").is_file()
+    assert (Path(record["record_dir"]) / "timeline.png").is_file()
+    after = httpx.post(  # served by the new version
+        f"{url}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 8},
+        timeout=60,
+    )
+    assert after.status_code == 200
+    undeploy("roll")
+
+
+def test_a_random_drafter_is_rolled_back_by_the_acceptance_gate(serve_session, tiny_chat, references, tmp_path):
+    from ray import serve
+
+    from orchestrator.serving.rollout import run_rollout, undeploy
+
+    # Stable: drafts right to a random depth (acceptance ~2.5); candidate: a drafter with random weights (~1).
+    args = app_args(
+        tiny_chat,
+        proposer_factory="tests.serving.oracle:OracleProposer",
+        proposer_args={"references": references["path"], "depth": 4},
+        spec={"method": "chain", "num_spec_tokens": 4},
+        scheduler={"adaptive": False},
+    )
+    app = serve_config(tmp_path / "serve.yaml", "back", args)
+    run_rollout(deploy_cfg(serve_session, app, "back", output_dir=str(tmp_path / "deploy")))
+    bad = _random_drafter(tiny_chat, tmp_path / "bad", seed=7)
+    with StreamingLoad(f"{serve_session}/back") as load:
+        time.sleep(3)
+        record = run_rollout(
+            deploy_cfg(
+                serve_session,
+                app,
+                "back",
+                drafter=str(bad),
+                app_overrides=["proposer_factory=null"],
+                output_dir=str(tmp_path / "deploy"),
+            )
+        )
+        time.sleep(2)
+    print(json.dumps({k: record[k] for k in ("decision", "acceptance", "reason")}, indent=1))
+    assert record["decision"] == "rolled back" and record["app"] == "back-1"
+    acceptance = record["acceptance"]
+    assert acceptance["back-1"]["acceptance_length"] > acceptance["back-2"]["acceptance_length"] + 0.5
+    assert len(load.results) >= 20 and load.failures() == []
+    assert "back-2" not in serve.status().applications
+    status = httpx.get(f"{serve_session}/back/router/status").json()
+    assert [r["app"] for r in status["routes"]] == ["back-1"]
+    undeploy("back")
+
+
+def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_drafter):
+    """A models:/ drafter's version gets the decision as tags; promotion moves the production alias."""
+    import mlflow
+
+    from orchestrator.serving.rollout import DeployConfig, _record_in_registry
+    from orchestrator.tracking.store import client
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(tiny_drafter), "drafter")
+    c = client(uri)
+    c.create_registered_model("d")
+    for _ in range(2):
+        c.create_model_version("d", f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id)
+    c.set_registered_model_alias("d", "candidate", "2")
+    cfg = DeployConfig(app="unused.yaml", tracking_uri=uri)
+    _record_in_registry(cfg, {"drafter": "models:/d@candidate", "decision": "promoted", "app": "x-2", "reason": "r"})
+    assert str(c.get_model_version_by_alias("d", "production").version) == "2"
+    assert c.get_model_version("d", "2").tags["aerie.rollout"] == "promoted"
+    _record_in_registry(cfg, {"drafter": "models:/d/1", "decision": "rolled back", "app": "x-1", "reason": "low"})
+    assert c.get_model_version("d", "1").tags["aerie.rollout"] == "rolled back"
+    assert str(c.get_model_version_by_alias("d", "production").version) == "2"  # unchanged by a rollback
