@@ -90,6 +90,14 @@ def test_bad_jsonl_lines_are_reported_and_the_rest_served(tmp_path, smollm2_dir)
             ["serve", "--config", "configs/smollm2-135m/serve.yaml", "drafter=/nonexistent/drafter"],
             "drafter '/nonexistent/drafter' is not a drafter directory",
         ),
+        (
+            ["serve", "--backend", "vllm", "--config", "configs/smollm2-135m/serve.yaml", "speculation=false"],
+            "configs/smollm2-135m/serve.yaml is not a vllm config",
+        ),
+        (
+            ["serve", "--backend", "vllm", "kv_cache_gib=0", "speculation=false"],
+            "kv_cache_gib: Input should be greater than or equal to 1",
+        ),
     ],
     ids=[
         "missing-model",
@@ -98,6 +106,8 @@ def test_bad_jsonl_lines_are_reported_and_the_rest_served(tmp_path, smollm2_dir)
         "serve-bad-batch",
         "serve-bad-method",
         "serve-missing-drafter",
+        "serve-wrong-backend",
+        "serve-vllm-bad-arg",
     ],
 )
 def test_user_errors_are_one_line(args, pattern):

@@ -30,6 +30,10 @@ class BenchmarkServingConfig(StrictModel):
 
     app: str = Field(description="Serve config file of the application (configs/*/serve*.yaml)")
     app_overrides: list[str] = Field([], description="dotted key=value overrides of the application's args")
+    vllm_app: str | None = Field(
+        None, description="also the vLLM backend (its Serve config): same prompts, same drafter, same run"
+    )
+    vllm_overrides: list[str] = Field([], description="dotted key=value overrides of the vLLM app's args")
     modes: list[Literal["spec", "no-spec"]] = Field(["spec", "no-spec"], min_length=1)
     concurrency: list[int] = Field([1, 4, 16], min_length=1, description="users sending requests at once")
     requests_per_user: int = Field(2, ge=1, description="requests = concurrency x this (at least min_requests)")
@@ -260,50 +264,31 @@ def load_prompts(source: str, n: int) -> list[dict]:
 
 
 def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
-    """Deploy the application once per mode (same code, speculation on/off) and drive every concurrency."""
-    import httpx
+    """Deploy each backend once per mode (same code, speculation on/off) and drive every concurrency."""
     from ray import serve
 
     from orchestrator.jobrunner import init_ray
-    from orchestrator.serving.app import _import
     from orchestrator.serving.launch import read_serve_config
 
     _, app = read_serve_config(cfg.app, cfg.app_overrides)
     args = app["args"]
+    backends = [("", app)]
+    if cfg.vllm_app:  # the same drafter as the disaggregated app unless overridden
+        same = [f"drafter={args['drafter']}"] if args.get("drafter") else []
+        backends.append(("vllm-", read_serve_config(cfg.vllm_app, same + list(cfg.vllm_overrides))[1]))
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     init_ray(cfg.address)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
-    builder = _import(app["import_path"])
     result: dict = {"modes": {}, "files": []}
-    for mode in cfg.modes:
-        name = f"bench-{mode}"
-        log.info("deploying %s", name)
-        serve.run(builder(args | {"speculation": mode == "spec"}), name=name, route_prefix=f"/{name}")
-        url = f"http://127.0.0.1:{cfg.port}/{name}"
-        model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
-        asyncio.run(drive(url, model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
-        levels = {}
-        for c in cfg.concurrency:
-            before, began = httpx.get(f"{url}/stats", timeout=60).json(), time.time()
-            n = max(cfg.min_requests, c * cfg.requests_per_user)
-            level = asyncio.run(drive(url, model, prompts, c, n, cfg.max_tokens))
-            after = httpx.get(
-                f"{url}/stats", params={"trace": mode == "spec" and c == cfg.trace_concurrency}, timeout=60
-            ).json()
-            level["scheduler"] = scheduler_delta(before, after)
-            if "trace" in after:
-                spans = [s for s in after["trace"] if s["ts"] >= began]
-                level["scheduler"]["draft_busy_overlapped"] = busy_overlap(spans)
-                result["files"] += [str(p) for p in write_trace(spans[-400:], out_dir, f"{mode}_c{c}")]
-            levels[c] = level
-            log.info("%s c=%d: %.1f tok/s per user, %d failed", mode, c, level["per_user_tok_s"], level["failed"])
-        result["modes"][mode] = levels
-        serve.delete(name)
-    if "spec" in result["modes"] and "no-spec" in result["modes"]:
-        result["speedup"] = {
-            c: result["modes"]["spec"][c]["per_user_tok_s"] / max(1e-9, result["modes"]["no-spec"][c]["per_user_tok_s"])
-            for c in cfg.concurrency
-        }
+    for label, backend in backends:
+        for mode in cfg.modes:
+            result["modes"][f"{label}{mode}"] = _run_mode(cfg, backend, mode, label, prompts, out_dir, result)
+    for label, _ in backends:
+        spec, plain = result["modes"].get(f"{label}spec"), result["modes"].get(f"{label}no-spec")
+        if spec and plain:
+            result[f"{label.replace('-', '_')}speedup"] = {
+                c: spec[c]["per_user_tok_s"] / max(1e-9, plain[c]["per_user_tok_s"]) for c in cfg.concurrency
+            }
     if cfg.in_process and "spec" in cfg.modes and args.get("drafter"):
         from orchestrator.models.prepare import resolve_model
         from orchestrator.models.tokenizer import load_tokenizer
@@ -312,6 +297,59 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         ids = [p["prompt"] if "prompt" in p else _render(tok, p["messages"]) for p in prompts[: cfg.min_requests]]
         result["in_process_c1"] = in_process_round_ms(args, ids, cfg.max_tokens)
     return result
+
+
+def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, result: dict) -> dict:
+    """One backend in one mode at every concurrency."""
+    import httpx
+    from ray import serve
+
+    from orchestrator.serving.app import _import
+    from orchestrator.serving.launch import backend_of
+
+    vllm = backend_of(app["import_path"]) == "vllm"
+    name = f"bench-{label}{mode}"
+    log.info("deploying %s", name)
+    serve.run(
+        _import(app["import_path"])(app["args"] | {"speculation": mode == "spec"}), name=name, route_prefix=f"/{name}"
+    )
+    url = f"http://127.0.0.1:{cfg.port}/{name}"
+    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    asyncio.run(drive(url, model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
+    levels = {}
+    for c in cfg.concurrency:
+        before, began = _counters(url, name, vllm), time.time()
+        n = max(cfg.min_requests, c * cfg.requests_per_user)
+        level = asyncio.run(drive(url, model, prompts, c, n, cfg.max_tokens))
+        if vllm:
+            time.sleep(2)  # Ray exports the engine's counters every second or so
+            level["scheduler"] = vllm_delta(before, _counters(url, name, vllm))
+        else:
+            trace = mode == "spec" and c == cfg.trace_concurrency
+            after = httpx.get(f"{url}/stats", params={"trace": trace}, timeout=60).json()
+            level["scheduler"] = scheduler_delta(before, after)
+            if "trace" in after:
+                spans = [s for s in after["trace"] if s["ts"] >= began]
+                level["scheduler"]["draft_busy_overlapped"] = busy_overlap(spans)
+                result["files"] += [str(p) for p in write_trace(spans[-400:], out_dir, f"{mode}_c{c}")]
+        levels[c] = level
+        log.info("%s c=%d: %.1f tok/s per user, %d failed", name, c, level["per_user_tok_s"], level["failed"])
+    serve.delete(name)
+    return levels
+
+
+def _counters(url: str, app: str, vllm: bool):
+    import httpx
+
+    from orchestrator.serving.rollout import vllm_counters
+
+    return vllm_counters(app) if vllm else httpx.get(f"{url}/stats", timeout=60).json()
+
+
+def vllm_delta(before: tuple[float, float], after: tuple[float, float]) -> dict:
+    """vLLM's speculation between two counter snapshots (acceptance length = tokens per request-step)."""
+    accepted, drafts = after[0] - before[0], after[1] - before[1]
+    return {"tokens_per_request_round": 1 + accepted / drafts if drafts else 1.0, "drafts": drafts}
 
 
 def format_table(result: dict) -> str:
@@ -323,15 +361,17 @@ def format_table(result: dict) -> str:
     for mode, levels in result["modes"].items():
         for c, r in levels.items():
             s = r["scheduler"]
+            use = f"{s['budget_use']:.2f}" if "budget_use" in s else "-"
             lines.append(
                 f"| {mode} | {c} | {r['per_user_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
                 f"{r['ttft_p50_s'] or 0:.2f}/{r['ttft_p99_s'] or 0:.2f} | "
                 f"{1e3 * (r['itl_p50_s'] or 0):.0f}/{1e3 * (r['itl_p99_s'] or 0):.0f} | "
-                f"{s['tokens_per_request_round']:.2f} | {s['budget_use']:.2f} | {r['failed']} |"
+                f"{s['tokens_per_request_round']:.2f} | {use} | {r['failed']} |"
             )
-    if "speedup" in result:
-        lines.append(
-            "speculation on / off, per-user tok/s: "
-            + ", ".join(f"{c} users {x:.2f}x" for c, x in result["speedup"].items())
-        )
+    for key, backend in (("speedup", "disaggregated"), ("vllm_speedup", "vLLM")):
+        if key in result:
+            lines.append(
+                f"{backend}: speculation on / off, per-user tok/s: "
+                + ", ".join(f"{c} users {x:.2f}x" for c, x in result[key].items())
+            )
     return "\n".join(lines)

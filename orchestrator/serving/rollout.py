@@ -258,6 +258,10 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
     _, config_app = read_serve_config(cfg.app, overrides)
     import_path = config_app["import_path"]
     version = config_app["args"].get("drafter") or "(no drafter)"
+    if version.startswith("models:/"):  # a wrong name or alias fails here, not after a backend start
+        from orchestrator.tracking.store import check_model_uri
+
+        check_model_uri(version, cfg.tracking_uri)
     init_ray(cfg.address)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     ro = Rollout(cfg)

@@ -89,4 +89,8 @@ def build_app(args: dict):
     from ray.serve.llm import build_openai_app
 
     cfg = VllmServeConfig.model_validate(args)
-    return build_openai_app({"llm_configs": [llm_config(cfg)]})
+    # The ingress only routes HTTP to the engine's replica: no CPU reserved for it (as for SpecServer), so a
+    # small node's CPUs go to the engine's placement bundle.
+    return build_openai_app(
+        {"llm_configs": [llm_config(cfg)], "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
+    )

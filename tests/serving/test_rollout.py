@@ -208,3 +208,34 @@ def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_dra
     _record_in_registry(cfg, {"drafter": "models:/d/1", "decision": "rolled back", "app": "x-1", "reason": "low"})
     assert c.get_model_version("d", "1").tags["aerie.rollout"] == "rolled back"
     assert str(c.get_model_version_by_alias("d", "production").version) == "2"  # unchanged by a rollback
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["canary_weight=2"], "canary_weight: Input should be less than 1"),
+        (
+            ["drafter=models:/no-such-drafter@candidate"],
+            "models:/no-such-drafter@candidate is not in the model registry",
+        ),
+        (["app=/nonexistent/serve.yaml"], "serve config '/nonexistent/serve.yaml' does not exist"),
+    ],
+    ids=["bad-weight", "unknown-model", "missing-app"],
+)
+def test_deploy_user_errors_are_one_line_before_anything_starts(overrides, pattern, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.serving.conftest import REPO
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.deploy", "--config", "configs/smollm2-135m/deploy.yaml", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and errors and pattern in errors[0], proc.stderr
