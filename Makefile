@@ -28,7 +28,7 @@ demo: install
 	$(PY) -c "import json; [print(f\"--- {r['line']}: {r['text']}\n\") for r in map(json.loads, open('runs/demo/outputs.jsonl'))]"
 
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"
