@@ -122,7 +122,8 @@ def _backend_builder(import_path: str):
     return _import(import_path)
 
 
-def _wait_running(app: str, timeout_s: float) -> None:
+def _wait_running(app: str, timeout_s: float, tick=None) -> None:
+    """Until Serve reports `app` RUNNING (`tick()` every second meanwhile); a failed deploy raises."""
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
@@ -134,6 +135,8 @@ def _wait_running(app: str, timeout_s: float) -> None:
         if state.endswith(("DEPLOY_FAILED", "UNHEALTHY")) or time.monotonic() > deadline:
             message = status.message if status else "not found"
             raise AerieError(f"backend {app} did not come up ({state}): {message[-500:]}")
+        if tick is not None:
+            tick()
         time.sleep(1)
 
 
@@ -215,7 +218,7 @@ class Rollout:
         builder = _backend_builder(config_app["import_path"])
         self.event("starting backend", app=app, drafter=config_app["args"].get("drafter"))
         serve.run(builder(config_app["args"]), name=app, route_prefix=f"{BACKEND_PREFIX}/{app}", blocking=False)
-        _wait_running(app, self.cfg.startup_timeout_s)
+        _wait_running(app, self.cfg.startup_timeout_s, tick=self.sample)
         self.event("backend running", app=app)
 
     def counters(self, app: str, import_path: str) -> tuple[float, float]:
@@ -352,14 +355,15 @@ def _finish(ro: Rollout, cfg: DeployConfig, record: dict) -> dict:
     record.update(events=ro.events, timeline=ro.timeline)
     (out / "record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     if len(ro.timeline) > 1:
-        plot_timeline(ro.timeline, out / "timeline.png")
+        plot_timeline(ro.timeline, out / "timeline.png", ro.events)
     record["record_dir"] = str(out)
     _record_in_registry(cfg, record)
     return record
 
 
-def plot_timeline(timeline: list[dict], path: Path) -> None:
-    """Requests/s and failures per backend during the rollout (from the router's counters)."""
+def plot_timeline(timeline: list[dict], path: Path, events: list[dict] | None = None, window_s: float = 5.0) -> None:
+    """Requests/s per backend over a sliding `window_s` (router counters), failures as red crosses, and the
+    rollout's decisions as vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,17 +373,27 @@ def plot_timeline(timeline: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for app in apps:
         pts = [(row["t"], row["backends"][app]) for row in timeline if app in row["backends"]]
-        ts = [t for t, _ in pts][1:]
-        rate = [
-            (b["requests"] - a["requests"]) / max(t1 - t0, 1e-6) for (t0, a), (t1, b) in zip(pts, pts[1:], strict=False)
-        ]
+        if pts[-1][1]["requests"] == pts[0][1]["requests"]:
+            continue  # no traffic in this period
+        ts, rate, j = [], [], 0
+        for t, counts in pts:
+            while pts[j][0] < t - window_s:
+                j += 1
+            if t > pts[j][0]:
+                ts.append(t)
+                rate.append((counts["requests"] - pts[j][1]["requests"]) / (t - pts[j][0]))
         ax.plot(ts, rate, label=f"{app} req/s")
         fails = [t for (t, a), (_, b) in zip(pts, pts[1:], strict=False) if b["failed"] > a["failed"]]
         if fails:
             ax.scatter(fails, [0] * len(fails), marker="x", color="red", label=f"{app} failures")
+    for e in events or []:
+        if e["event"] in ("routes", "promoted", "rolled back", "deleted"):
+            ax.axvline(e["t"], color="grey", linewidth=0.6, linestyle=":")
+            label = e["event"] if e["event"] != "routes" else " ".join(f"{a}:{w:g}" for a, w in e["routes"].items())
+            ax.text(e["t"], ax.get_ylim()[1], label, rotation=90, va="top", ha="right", fontsize=7)
     ax.set_xlabel("seconds since the rollout started")
-    ax.set_ylabel("requests / s")
-    ax.legend()
+    ax.set_ylabel(f"requests / s ({window_s:g} s window)")
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
