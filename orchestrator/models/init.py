@@ -51,27 +51,3 @@ def target_head_weight(target: TargetModel) -> torch.Tensor:
     """The target's lm_head weight [vocab, hidden] (dense, also when packed for oneDNN)."""
     weight = target.lm_head.weight
     return weight.to_dense() if weight.is_mkldnn else weight
-
-
-def early_exit_drafter(target: TargetModel, variant: str = "eagle3.1") -> Drafter:
-    """A drafter that needs no training: its first draft is the target's own prediction one layer early.
-
-    It reads one aux state, the input of the target's last layer (h), maps it through an identity `fc` and a
-    decoder layer whose output projections are zero (attention and MLP add nothing), then the target's
-    final norm and head: depth-1 drafts = head(norm(h)), right as often as the last layer rarely changes the
-    argmax. Deeper drafts repeat it (nothing new reaches them). A known-good drafter for rollout tests and a
-    floor any trained drafter should beat; vLLM loads it like any EAGLE-3 / 3.1 checkpoint."""
-    last = target.num_layers - 1
-    config = DrafterConfig.for_target(target.hf_config, (last,), None, variant)
-    head = target.embed_tokens.weight if target.tie_word_embeddings else target_head_weight(target)
-    drafter = new_drafter(config, head, target.norm.weight, torch.arange(target.vocab_size), 0, target.dtype)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.startswith("layers.") and not name.endswith("norm.weight"):
-                p.copy_(0.02 * torch.randn(p.shape))
-        drafter.fc.weight.copy_(torch.eye(config.decoder.hidden_size))
-        for layer in drafter.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    drafter.share_embedding(target.embed_tokens)
-    return drafter
