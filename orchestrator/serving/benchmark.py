@@ -348,8 +348,10 @@ def _counters(url: str, app: str, vllm: bool):
 
 def vllm_delta(before: tuple[float, float], after: tuple[float, float]) -> dict:
     """vLLM's speculation between two counter snapshots (acceptance length = tokens per request-step)."""
-    accepted, drafts = after[0] - before[0], after[1] - before[1]
-    return {"tokens_per_request_round": 1 + accepted / drafts if drafts else 1.0, "drafts": drafts}
+    from orchestrator.serving.rollout import acceptance_length
+
+    length, drafts = acceptance_length(before, after)
+    return {"tokens_per_request_round": length, "drafts": drafts}
 
 
 def format_table(result: dict) -> str:

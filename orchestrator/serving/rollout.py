@@ -116,12 +116,6 @@ def acceptance_length(before: tuple[float, float], after: tuple[float, float]) -
 # -- Serve plumbing ----------------------------------------------------------------------------------------------
 
 
-def _backend_builder(import_path: str):
-    from orchestrator.serving.app import _import
-
-    return _import(import_path)
-
-
 def _wait_running(app: str, timeout_s: float, tick=None) -> None:
     """Until Serve reports `app` RUNNING (`tick()` every second meanwhile); a failed deploy raises."""
     from ray import serve
@@ -215,14 +209,18 @@ class Rollout:
     def start_backend(self, app: str, config_app: dict) -> None:
         from ray import serve
 
-        builder = _backend_builder(config_app["import_path"])
+        from orchestrator.serving.app import _import
+
+        builder = _import(config_app["import_path"])
         self.event("starting backend", app=app, drafter=config_app["args"].get("drafter"))
         serve.run(builder(config_app["args"]), name=app, route_prefix=f"{BACKEND_PREFIX}/{app}", blocking=False)
         _wait_running(app, self.cfg.startup_timeout_s, tick=self.sample)
         self.event("backend running", app=app)
 
     def counters(self, app: str, import_path: str) -> tuple[float, float]:
-        if import_path.startswith("orchestrator.serving.vllm_app:"):
+        from orchestrator.serving.launch import backend_of
+
+        if backend_of(import_path) == "vllm":
             return vllm_counters(app)
         return stats_counters(f"{self.proxy}{BACKEND_PREFIX}/{app}")
 
@@ -329,8 +327,10 @@ def _replica_actors(app: str) -> list[str]:
 
 def _import_path_of(route: Route) -> str:
     """The kind of a running backend: the vLLM app's replicas are Ray Serve LLM's `LLMServer`."""
+    from orchestrator.serving.launch import BACKENDS
+
     vllm = any("#LLMServer" in name for name in _replica_actors(route.app))
-    return "orchestrator.serving.vllm_app:build_app" if vllm else "orchestrator.serving.app:build_app"
+    return BACKENDS["vllm" if vllm else "disaggregated"][0]
 
 
 def _watch(ro: Rollout, cfg: DeployConfig, before: dict, paths: dict) -> dict[str, tuple[float, float]]:
