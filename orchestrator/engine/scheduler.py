@@ -91,6 +91,7 @@ class SpecScheduler:
         self.groups: list[list[str]] = [[] for _ in range(cfg.micro_batches)]
         self.backlog: list[list] = [[] for _ in range(cfg.micro_batches)]  # pairs refs not yet drafted from
         self.resync = [False] * cfg.micro_batches
+        self.drafted_last = [False] * cfg.micro_batches  # a drafted round after target-only ones catches up
         self.draft_alive = draft is not None
         self.draft_incarnation: str | None = None  # changes when the draft actor restarts
         self.trace: deque[dict] = deque(maxlen=trace_size)
@@ -200,7 +201,10 @@ class SpecScheduler:
         accepted = sum(u.accepted for u in out.updates)
         self.policy.observe(out.verified_tokens, out.compute_s, predicted, accepted)
         emitted = sum(len(u.tokens) for u in out.updates)
-        self.modes.observe(trees_ref is not None, len(ids), emitted, time.perf_counter() - round_began)
+        with_draft = trees_ref is not None
+        catch_up = with_draft and not self.drafted_last[g]
+        self.modes.observe(with_draft, len(ids), emitted, time.perf_counter() - round_began, catch_up=catch_up)
+        self.drafted_last[g] = with_draft
         self._account(out, latency)
         self._deliver(out)
 

@@ -50,7 +50,7 @@ class WorkerPlacement(StrictModel):
     resources: dict[str, float] = Field({}, description="custom resources, e.g. {draft: 1} for the draft node group")
     label_selector: dict[str, str] = Field({}, description="Ray node labels the worker must run on")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
-    env_vars: dict[str, str] = Field({}, description="environment of the worker process, e.g. OMP_WAIT_POLICY")
+    env_vars: dict[str, str] = Field({}, description="environment of the worker process, e.g. GOMP_SPINCOUNT")
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}

@@ -126,37 +126,64 @@ class BudgetPolicy:
 class ModeChooser:
     """Drafted or target-only rounds, whichever has measured more tokens per second at this batch size (log2
     buckets of the number of requests in the round). The losing mode is re-measured every `probe_every`
-    rounds (4x as rarely when it is more than 25% slower), so a drafter that starts to pay (or stops) is
-    noticed. What it measures is the round as the
-    scheduler lives it (draft call, verify call, waiting for the other micro-batch), so it holds on any
-    hardware: a compute-bound target, a drafter sharing its cores, network hops.
+    rounds (4x as rarely when it is more than 25% slower) for `probe_rounds` rounds, so a drafter that starts
+    to pay (or stops) is noticed. What it measures is the round as the scheduler lives it (draft call, verify
+    call, waiting for the other micro-batch), so it holds on any hardware: a compute-bound target, a drafter
+    sharing its cores, network hops.
 
     A mode's rate is (moving average of tokens) / (moving average of seconds) over its rounds: a drafted
-    round yields 1 to depth+1 tokens, and averaging per-round rates let one unlucky round flip the choice
-    (measured at concurrency 1 in-domain: drafted rounds 50% of the time though they were 1.6x faster)."""
+    round yields 1 to depth+1 tokens, and averaging per-round rates let one unlucky round flip the choice.
+    A mode not measured for `probe_every` rounds starts a fresh average (a probe replaces a stale estimate
+    instead of nudging it by `smoothing`). A drafted round that follows target-only ones is not measured
+    (`catch_up`): the drafter first commits every state it skipped, a cost of the stretch before it, not of
+    drafting (measured at concurrency 1 in-domain: counting it kept drafting off although drafted rounds
+    were faster)."""
 
     probe_every: int = 16
+    probe_rounds: int = 6
     smoothing: float = 0.1
     rates: dict = field(default_factory=dict)  # (drafted, bucket) -> tokens per second
     sums: dict = field(default_factory=dict)  # (drafted, bucket) -> [tokens, seconds] moving averages
+    seen: dict = field(default_factory=dict)  # (drafted, bucket) -> [rounds measured, in this streak, last round]
     rounds: int = 0
+    probe: tuple[bool, int] | None = None  # the mode being probed, rounds left
+    probing: bool = False  # the last choice was a probe
 
     def choose(self, n: int) -> bool:
         """True: draft this round."""
         bucket = n.bit_length()
-        spec, plain = self.rates.get((True, bucket)), self.rates.get((False, bucket))
         self.rounds += 1
-        if spec is None or plain is None:
-            return spec is None  # measure drafted rounds first, then target-only ones
-        best = spec >= plain
-        gap = max(spec, plain) / max(1e-9, min(spec, plain))
-        interval = self.probe_every * (4 if gap > 1.25 else 1)  # a clear loser is re-measured less often
-        return (not best) if self.rounds % interval == 0 else best
+        self.probing = False
+        if self._count(True, bucket) < self.probe_rounds or self._count(False, bucket) < self.probe_rounds:
+            return self._count(True, bucket) < self.probe_rounds  # measure drafted rounds first, then target-only
+        spec, plain = self.rates[(True, bucket)], self.rates[(False, bucket)]
+        if self.probe is None:
+            best = spec >= plain
+            gap = max(spec, plain) / max(1e-9, min(spec, plain))
+            interval = self.probe_every * (4 if gap > 1.25 else 1)  # a clear loser is re-measured less often
+            if self.rounds % interval:
+                return best
+            self.probe = (not best, self.probe_rounds)
+        mode, left = self.probe
+        self.probe = (mode, left - 1) if left > 1 else None
+        self.probing = True
+        return mode
 
-    def observe(self, drafted: bool, n: int, tokens: int, seconds: float) -> None:
+    def _count(self, drafted: bool, bucket: int) -> int:
+        return self.seen.get((drafted, bucket), [0])[0]
+
+    def observe(self, drafted: bool, n: int, tokens: int, seconds: float, catch_up: bool = False) -> None:
+        if catch_up:  # measure the round after it instead
+            if self.probing:
+                self.probe = (True, (self.probe[1] if self.probe else 0) + 1)
+            return
         key = (drafted, n.bit_length())
-        old = self.sums.get(key)
-        a = self.smoothing
+        total, streak, last = self.seen.get(key, [0, 0, 0])
+        if self.rounds - last > self.probe_every:
+            streak = 0  # stale: start afresh
+        a = max(self.smoothing, 1.0 / (streak + 1))
+        old = self.sums.get(key) if a < 1.0 else None
         avg = [tokens, seconds] if old is None else [(1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds]
         self.sums[key] = avg
+        self.seen[key] = [total + 1, streak + 1, self.rounds]
         self.rates[key] = avg[0] / max(avg[1], 1e-6)

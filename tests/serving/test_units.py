@@ -97,14 +97,41 @@ def test_parse_names_the_field():
 def test_mode_chooser_follows_measured_rates_and_reprobes():
     from orchestrator.spec.budget import ModeChooser
 
-    modes = ModeChooser(probe_every=4)
-    assert modes.choose(8) is True  # nothing measured: draft
-    modes.observe(True, 8, tokens=10, seconds=1.0)
-    assert modes.choose(8) is False  # then measure target-only
-    modes.observe(False, 8, tokens=11, seconds=1.0)
-    picks = [modes.choose(8) for _ in range(8)]
-    assert picks.count(True) == 2 and picks.count(False) == 6  # target-only wins; drafted re-probed 1 in 4
-    modes.observe(False, 8, tokens=40, seconds=1.0)  # now far ahead: drafted rounds re-probed 1 in 16
+    modes = ModeChooser(probe_every=4, probe_rounds=2)
+    for _ in range(2):  # nothing measured: draft (probe_rounds rounds)
+        assert modes.choose(8) is True
+        modes.observe(True, 8, tokens=10, seconds=1.0)
+    for _ in range(2):  # then measure target-only
+        assert modes.choose(8) is False
+        modes.observe(False, 8, tokens=11, seconds=1.0)
+    picks = [modes.choose(8) for _ in range(15)]
+    assert picks.count(True) == 6 and picks.count(False) == 9  # target-only wins; drafted probed 2 rounds in 4
+    modes.observe(False, 8, tokens=40, seconds=1.0)  # now far ahead: drafted rounds probed 2 in 16
     picks = [modes.choose(8) for _ in range(32)]
-    assert picks.count(True) == 2
+    assert picks.count(True) == 4
     assert modes.choose(1) is True  # another batch size is measured on its own
+
+
+def test_mode_chooser_skips_catch_up_rounds_and_replaces_stale_estimates():
+    from orchestrator.spec.budget import ModeChooser
+
+    modes = ModeChooser(probe_every=4, probe_rounds=2, smoothing=0.1)
+    for _ in range(2):  # drafting at 2 tok/s, target-only at 3: target-only wins
+        modes.observe(True, 1, tokens=2, seconds=1.0)
+    modes.observe(False, 1, tokens=3, seconds=1.0)
+    for _ in range(20):
+        modes.observe(False, 1, tokens=3, seconds=1.0)
+    picks = []
+    while True:  # run until a drafted probe starts
+        picks.append(modes.choose(1))
+        if picks[-1]:
+            break
+        modes.observe(False, 1, tokens=3, seconds=1.0)
+    # the probe's first drafted round commits the skipped states (slow): not measured, the probe gets a round more
+    modes.observe(True, 1, tokens=1, seconds=5.0, catch_up=True)
+    for _ in range(2):
+        assert modes.choose(1) is True
+        modes.observe(True, 1, tokens=4, seconds=1.0)  # drafting now pays: 4 tok/s
+    # the stale 2 tok/s estimate was replaced by the probe's, not nudged 10% toward it: drafting wins at once
+    assert modes.rates[(True, 1)] == 4.0
+    assert modes.choose(1) is True
