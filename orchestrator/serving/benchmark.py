@@ -38,6 +38,9 @@ class BenchmarkServingConfig(StrictModel):
     concurrency: list[int] = Field([1, 4, 16], min_length=1, description="users sending requests at once")
     requests_per_user: int = Field(2, ge=1, description="requests = concurrency x this (at least min_requests)")
     min_requests: int = Field(4, ge=1)
+    warmup_per_user: int = Field(
+        1, ge=0, description="unmeasured requests per user before each level (the scheduler learns its rates)"
+    )
     max_tokens: int = Field(64, ge=1, description="tokens per request (EOS ignored)")
     prompts: str = Field(
         "mtbench", description="'mtbench' (first turns, chat) or 'validation:DIR' (a collection's held-out split)"
@@ -318,6 +321,8 @@ def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, res
     asyncio.run(drive(url, model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
     levels = {}
     for c in cfg.concurrency:
+        if cfg.warmup_per_user:
+            asyncio.run(drive(url, model, prompts[::-1], c, c * cfg.warmup_per_user, cfg.max_tokens))
         before, began = _counters(url, name, vllm), time.time()
         n = max(cfg.min_requests, c * cfg.requests_per_user)
         level = asyncio.run(drive(url, model, prompts, c, n, cfg.max_tokens))

@@ -125,9 +125,11 @@ class BudgetPolicy:
 @dataclass
 class ModeChooser:
     """Drafted or target-only rounds, whichever has measured more tokens per second at this batch size (log2
-    buckets of the number of requests in the round). The losing mode is re-measured every `probe_every`
-    rounds (4x as rarely when it is more than 25% slower) for `probe_rounds` rounds, so a drafter that starts
-    to pay (or stops) is noticed. What it measures is the round as the scheduler lives it (draft call, verify
+    buckets of the number of requests in the round). The losing mode is re-measured for `probe_rounds` rounds
+    (fewer at larger batches, whose rounds average over more requests: probe_rounds // bucket, at least 2)
+    every `probe_every` rounds, twice as rarely after each probe that confirms the choice (up to
+    `max_backoff` times), so a drafter that starts to pay (or stops) is noticed while probing a mode that keeps
+    losing costs little. What it measures is the round as the scheduler lives it (draft call, verify
     call, waiting for the other micro-batch), so it holds on any hardware: a compute-bound target, a drafter
     sharing its cores, network hops.
 
@@ -146,7 +148,10 @@ class ModeChooser:
     sums: dict = field(default_factory=dict)  # (drafted, bucket) -> [tokens, seconds] moving averages
     seen: dict = field(default_factory=dict)  # (drafted, bucket) -> [rounds measured, in this streak, last round]
     rounds: int = 0
+    max_backoff: int = 16
+    backoff: dict = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
     probe: tuple[bool, int] | None = None  # the mode being probed, rounds left
+    probed: tuple[int, bool] | None = None  # (bucket, mode) of the last probe, until it is judged
     probing: bool = False  # the last choice was a probe
 
     def choose(self, n: int) -> bool:
@@ -154,16 +159,20 @@ class ModeChooser:
         bucket = n.bit_length()
         self.rounds += 1
         self.probing = False
-        if self._count(True, bucket) < self.probe_rounds or self._count(False, bucket) < self.probe_rounds:
-            return self._count(True, bucket) < self.probe_rounds  # measure drafted rounds first, then target-only
+        rounds = max(2, self.probe_rounds // bucket)
+        if self._count(True, bucket) < rounds or self._count(False, bucket) < rounds:
+            return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
         spec, plain = self.rates[(True, bucket)], self.rates[(False, bucket)]
         if self.probe is None:
             best = spec >= plain
-            gap = max(spec, plain) / max(1e-9, min(spec, plain))
-            interval = self.probe_every * (4 if gap > 1.25 else 1)  # a clear loser is re-measured less often
-            if self.rounds % interval:
+            if self.probed is not None:  # the last probe is over: did it change the choice in its bucket?
+                b, mode = self.probed
+                won = (self.rates[(True, b)] >= self.rates[(False, b)]) == mode
+                self.backoff[b] = 1 if won else min(self.max_backoff, 2 * self.backoff.get(b, 1))
+                self.probed = None
+            if self.rounds % (self.probe_every * self.backoff.get(bucket, 1)):
                 return best
-            self.probe = (not best, self.probe_rounds)
+            self.probe, self.probed = (not best, rounds), (bucket, not best)
         mode, left = self.probe
         self.probe = (mode, left - 1) if left > 1 else None
         self.probing = True

@@ -94,21 +94,24 @@ def test_parse_names_the_field():
         parse(ChatCompletionRequest, [1, 2])
 
 
-def test_mode_chooser_follows_measured_rates_and_reprobes():
+def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
     from orchestrator.spec.budget import ModeChooser
 
-    modes = ModeChooser(probe_every=4, probe_rounds=2)
+    modes = ModeChooser(probe_every=4, probe_rounds=2, max_backoff=4)
     for _ in range(2):  # nothing measured: draft (probe_rounds rounds)
         assert modes.choose(8) is True
         modes.observe(True, 8, tokens=10, seconds=1.0)
     for _ in range(2):  # then measure target-only
         assert modes.choose(8) is False
         modes.observe(False, 8, tokens=11, seconds=1.0)
-    picks = [modes.choose(8) for _ in range(15)]
-    assert picks.count(True) == 6 and picks.count(False) == 9  # target-only wins; drafted probed 2 rounds in 4
-    modes.observe(False, 8, tokens=40, seconds=1.0)  # now far ahead: drafted rounds probed 2 in 16
-    picks = [modes.choose(8) for _ in range(32)]
-    assert picks.count(True) == 4
+    picks = [modes.choose(8) for _ in range(44)]  # rounds 5..48: target-only wins
+    # drafted rounds are probed (2 rounds) at round 8, then twice as rarely while they keep losing, up to 4x
+    assert [r for r, p in enumerate(picks, start=5) if p] == [8, 9, 16, 17, 32, 33, 48]
+    assert modes.choose(8) is True  # the probe at 48 goes on; it finds drafting faster now
+    for _ in range(2):
+        modes.observe(True, 8, tokens=40, seconds=1.0)
+    picks = [modes.choose(8) for _ in range(8)]  # drafting wins; the backoff starts over: target-only probed often
+    assert picks.count(False) == 4  # (at the old 16-round interval: none)
     assert modes.choose(1) is True  # another batch size is measured on its own
 
 
