@@ -144,7 +144,6 @@ class ModeChooser:
     probe_every: int = 16
     probe_rounds: int = 6
     smoothing: float = 0.1
-    rates: dict = field(default_factory=dict)  # (drafted, bucket) -> tokens per second
     sums: dict = field(default_factory=dict)  # (drafted, bucket) -> [tokens, seconds] moving averages
     seen: dict = field(default_factory=dict)  # (drafted, bucket) -> [rounds measured, in this streak, last round]
     rounds: int = 0
@@ -162,12 +161,11 @@ class ModeChooser:
         rounds = max(2, self.probe_rounds // bucket)
         if self._count(True, bucket) < rounds or self._count(False, bucket) < rounds:
             return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
-        spec, plain = self.rates[(True, bucket)], self.rates[(False, bucket)]
         if self.probe is None:
-            best = spec >= plain
+            best = self.rate(True, bucket) >= self.rate(False, bucket)
             if self.probed is not None:  # the last probe is over: did it change the choice in its bucket?
                 b, mode = self.probed
-                won = (self.rates[(True, b)] >= self.rates[(False, b)]) == mode
+                won = (self.rate(True, b) >= self.rate(False, b)) == mode
                 self.backoff[b] = 1 if won else min(self.max_backoff, 2 * self.backoff.get(b, 1))
                 self.probed = None
             if self.rounds % (self.probe_every * self.backoff.get(bucket, 1)):
@@ -177,6 +175,11 @@ class ModeChooser:
         self.probe = (mode, left - 1) if left > 1 else None
         self.probing = True
         return mode
+
+    def rate(self, drafted: bool, bucket: int) -> float:
+        """Measured tokens per second of a mode at a batch-size bucket (n.bit_length())."""
+        tokens, seconds = self.sums[(drafted, bucket)]
+        return tokens / max(seconds, 1e-6)
 
     def _count(self, drafted: bool, bucket: int) -> int:
         return self.seen.get((drafted, bucket), [0])[0]
@@ -190,9 +193,7 @@ class ModeChooser:
         total, streak, last = self.seen.get(key, [0, 0, 0])
         if self.rounds - last > self.probe_every:
             streak = 0  # stale: start afresh
-        a = max(self.smoothing, 1.0 / (streak + 1))
-        old = self.sums.get(key) if a < 1.0 else None
-        avg = [tokens, seconds] if old is None else [(1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds]
-        self.sums[key] = avg
+        a = max(self.smoothing, 1.0 / (streak + 1))  # a fresh streak: its running mean
+        old_tokens, old_seconds = self.sums.get(key, (tokens, seconds))
+        self.sums[key] = ((1 - a) * old_tokens + a * tokens, (1 - a) * old_seconds + a * seconds)
         self.seen[key] = [total + 1, streak + 1, self.rounds]
-        self.rates[key] = avg[0] / max(avg[1], 1e-6)

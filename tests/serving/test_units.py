@@ -136,5 +136,5 @@ def test_mode_chooser_skips_catch_up_rounds_and_replaces_stale_estimates():
         assert modes.choose(1) is True
         modes.observe(True, 1, tokens=4, seconds=1.0)  # drafting now pays: 4 tok/s
     # the stale 2 tok/s estimate was replaced by the probe's, not nudged 10% toward it: drafting wins at once
-    assert modes.rates[(True, 1)] == 4.0
+    assert modes.rate(True, 1) == 4.0
     assert modes.choose(1) is True
