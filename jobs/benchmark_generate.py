@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from orchestrator.engine.benchmark import BenchmarkGenerateConfig, format_table, run_generate_benchmark
+from orchestrator.benchmarks.generate import BenchmarkGenerateConfig, format_table, run_generate_benchmark
 from orchestrator.jobrunner import run_job, write_result
 from orchestrator.models.prepare import resolve_model
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from orchestrator.benchmarks.serving import BenchmarkServingConfig, format_table, run_serving_benchmark
 from orchestrator.jobrunner import run_job, write_result
-from orchestrator.serving.benchmark import BenchmarkServingConfig, format_table, run_serving_benchmark
 
 
 def main(cfg: BenchmarkServingConfig) -> int:

@@ -59,8 +59,8 @@ def _prompts(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from orchestrator.data.prompts import encode_prompt, read_prompt_file
-    from orchestrator.engine.sampling import SamplingParams
     from orchestrator.models.target import read_hf_config
+    from orchestrator.spec.sampling import SamplingParams
 
     read_hf_config(args.model)
     if args.drafter is not None and not Path(args.drafter).is_dir():
@@ -83,20 +83,24 @@ def _generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     by_line = {item.line: row for item, row in zip(good, rows, strict=True)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    bad = 0
     with open(args.out, "w", encoding="utf-8") as f:
         for item in items:
-            if item.error is not None:
-                print(f"error: {item.error}", file=sys.stderr)
-                f.write(json.dumps({"line": item.line, "error": item.error}) + "\n")
+            error = item.error
+            if error is None and "error" in by_line[item.line]:
+                error = f"{args.prompts}:{item.line}: {by_line[item.line]['error']}"
+            if error is not None:
+                bad += 1
+                print(f"error: {error}", file=sys.stderr)
+                f.write(json.dumps({"line": item.line, "error": error}) + "\n")
                 continue
             row = by_line[item.line]
             row["text"] = tokenizer.decode(row["token_ids"], skip_special_tokens=True)
             f.write(json.dumps({"line": item.line, **row}) + "\n")
-    generated = sum(len(r["token_ids"]) for r in rows)
+    generated = sum(len(r.get("token_ids", ())) for r in rows)
     rate = generated / max(elapsed, 1e-9)
     summary = f"{len(rows)} prompts, {generated} tokens in {elapsed:.1f} s ({rate:.1f} tok/s) -> {args.out}"
     print(summary, file=sys.stderr)
-    bad = len(items) - len(good)
     if bad:
         print(f"error: {bad} of {len(items)} prompt lines were unusable (see above)", file=sys.stderr)
         return 1
@@ -104,24 +108,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_local(args, tokenizer, eos_ids, prompts, params) -> list[dict]:
-    from orchestrator.engine.decode import TargetDecoder
-    from orchestrator.engine.spec_engine import SpecConfig, load_spec_engine
-    from orchestrator.models.target import TargetModel
+    from orchestrator.engine import load_engine
+    from orchestrator.spec.proposer import SpecConfig
 
-    if args.drafter is None:
-        decoder = TargetDecoder(TargetModel.from_pretrained(args.model), eos_ids, max_batch=args.batch_size)
-        generations = decoder.generate(prompts, params)
-    else:
-        spec = SpecConfig(
-            method=args.spec, num_spec_tokens=args.num_spec_tokens, depth=args.depth, topk=args.topk, budget=args.budget
-        )
-        engine = load_spec_engine(args.model, args.drafter, spec, eos_ids, args.batch_size, tokenizer.decode)
-        generations = engine.generate(prompts, params)
+    spec = SpecConfig(
+        method=args.spec, num_spec_tokens=args.num_spec_tokens, depth=args.depth, topk=args.topk, budget=args.budget
+    )
+    engine = load_engine(args.model, args.drafter, spec, args.batch_size, tokenizer, eos_ids)
     rows = []
-    for g in generations:
+    for g in engine.generate(prompts, params, raise_errors=False):
+        if g.error is not None:
+            rows.append({"error": g.error})
+            continue
         row = {"token_ids": g.token_ids, "num_prompt_tokens": len(g.prompt_ids), "finish_reason": g.finish_reason}
-        if g.metrics is not None:
-            row |= {"num_steps": g.metrics.rounds, "acceptance_length": round(g.metrics.acceptance_length, 4)}
+        if args.drafter is not None:
+            row |= {"num_steps": g.acceptance.drafts, "acceptance_length": round(g.acceptance.acceptance_length, 4)}
         rows.append(row)
     return rows
 
@@ -158,7 +159,7 @@ def _generate_vllm(args, prompts, params) -> list[dict]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from orchestrator.serving.launch import serve_app
+    from orchestrator.serving.rollout import serve_app
 
     serve_app(args.config, args.overrides, args.address, args.host, args.port, backend=args.backend)
     return 0

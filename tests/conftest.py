@@ -1,8 +1,11 @@
-"""Shared fixtures: one prepared SmolLM2 per machine, tiny random Llamas per session."""
+"""Shared fixtures: one prepared SmolLM2 per machine, tiny random Llamas per session (one speaking SmolLM2's
+tokenizer and chat template, with a random drafter), moto's S3 server."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_tiny_llama
+from tests.helpers import random_drafter, write_tiny_llama
 
 MODELS_DIR = Path(os.environ.get("AERIE_TEST_MODELS", Path.home() / ".cache" / "aerie-test-models"))
 
@@ -34,6 +37,25 @@ def smollm2_tokenizer(smollm2_dir):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(smollm2_dir, tmp_path_factory) -> Path:
+    """A random 8-layer Llama with SmolLM2's vocabulary, tokenizer and chat template."""
+    out = write_tiny_llama(
+        tmp_path_factory.mktemp("tiny-chat") / "tiny-chat", vocab_size=49152, max_position_embeddings=1024
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_chat, tmp_path_factory) -> Path:
+    from orchestrator.models.checkpoint import save_drafter
+
+    hf = json.loads((tiny_chat / "config.json").read_text())
+    return save_drafter(random_drafter(hf, draft_vocab_size=2048), tmp_path_factory.mktemp("drafter") / "d")
 
 
 @pytest.fixture(scope="session")

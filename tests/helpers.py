@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -74,21 +75,24 @@ def read_json(path: Path) -> dict:
 
 
 class ReplayProposer:
-    """A test proposer that offers the target's own greedy continuation, corrupted at random depths, so the
-    accepted length of a round varies from 0 to the whole tree.
+    """A test proposer that knows each prompt's reference continuation and offers it, corrupted at a random
+    depth, so rounds accept anything from nothing to the whole tree: at each depth the true token sits among
+    `width` siblings at a random place, and the true path is cut at a random depth.
 
-    chain: the next `depth` reference tokens, one of them (sometimes none) replaced by a wrong token.
-    tree: at each depth the true token sits among `width` siblings at a random place; off-path siblings get
-    a wrong child too; the true path is cut at a random depth.
+    references: {"prompts": [[ids]], "outputs": [[ids]]} or the path of such a JSON file (the serving tests
+    build it inside the DraftWorker actor: `proposer_factory: tests.helpers:ReplayProposer`). A request is
+    recognised from its first pairs: its prompt without the first token, then the tokens emitted so far.
     """
 
-    def __init__(self, references: list[list[int]], vocab: int, depth: int, width: int = 1, seed: int = 0):
-        self.references, self.vocab, self.depth, self.width = references, vocab, depth, width
-        self.emitted: dict[int, int] = {}
+    def __init__(self, references: str | dict, vocab: int = 49152, depth: int = 4, width: int = 1, seed: int = 0):
+        data = references if isinstance(references, dict) else json.loads(Path(references).read_text())
+        self.by_prompt = {tuple(p[1:]): out for p, out in zip(data["prompts"], data["outputs"], strict=True)}
+        self.vocab, self.depth, self.width = vocab, depth, width
         self.rng = torch.Generator().manual_seed(seed)
+        self.state: dict[str, tuple[list[int], int]] = {}  # request -> (reference, tokens emitted)
 
-    def release(self, request_id: int) -> None:
-        self.emitted.pop(request_id, None)
+    def release(self, request_id: str) -> None:
+        self.state.pop(request_id, None)
 
     def _rand(self, n: int) -> int:
         return int(torch.randint(0, n, (1,), generator=self.rng))
@@ -101,13 +105,20 @@ class ReplayProposer:
 
         trees = []
         for item in items:
-            done = self.emitted.get(item.request_id, 0) + item.tokens.numel()
-            first = item.request_id not in self.emitted
-            self.emitted[item.request_id] = 1 if first else done
-            ref = self.references[item.request_id][self.emitted[item.request_id] :]
+            tokens = item.tokens.tolist()
+            if item.request_id not in self.state:
+                self.state[item.request_id] = next(
+                    ((ref, len(tokens) - len(p)) for p, ref in self.by_prompt.items() if tuple(tokens[: len(p)]) == p),
+                    ([], 0),  # an unknown prompt: no drafts
+                )
+            else:
+                ref, done = self.state[item.request_id]
+                self.state[item.request_id] = (ref, done + len(tokens))
+            ref, done = self.state[item.request_id]
+            ref = ref[done:]
             depth = min(self.depth, item.budget, len(ref))
             cut = self._rand(depth + 2)  # the true path survives `cut` levels (> depth: all of them)
-            tokens, parents, parent = [], [], -1
+            tokens, parents, scores, parent = [], [], [], -1
             for level in range(depth):
                 true = ref[level] if level < cut else self._wrong(ref[level])
                 place = self._rand(self.width)
@@ -118,8 +129,10 @@ class ReplayProposer:
                 start = len(tokens)
                 tokens += siblings
                 parents += [parent] * len(siblings)
+                scores += [(level + 1) * math.log(0.7) + i * math.log(0.3) for i in range(len(siblings))]
                 parent = start + siblings.index(true)
-            trees.append(DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)))
+            as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+            trees.append(DraftTree(as_long(tokens), as_long(parents), {}, torch.tensor(scores)))
         return trees
 
 

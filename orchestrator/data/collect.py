@@ -157,16 +157,14 @@ def add_generated(
     synthetic = [s for s in cfg.sources if s.kind == "synthetic"]
     if not synthetic and cfg.regenerate is None:
         return conversations
-    from orchestrator.engine.decode import TargetDecoder
+    from orchestrator.engine import SpecEngine, load_engine
     from orchestrator.engine.vllm_backend import VllmGenerator
-    from orchestrator.models.target import TargetModel
-    from orchestrator.models.tokenizer import eos_token_ids
 
     regen = cfg.regenerate or RegenerateConfig()
     model_hash = config_sha256(model_dir)
     decoder = None
 
-    def get_decoder() -> TargetDecoder | VllmGenerator:
+    def get_decoder() -> SpecEngine | VllmGenerator:
         nonlocal decoder
         if decoder is None and regen.generator == "vllm":
             decoder = VllmGenerator(
@@ -177,7 +175,7 @@ def add_generated(
                 per_request_seeds=False,  # vLLM draws are then not reproducible; the saved dataset is reused
             )
         elif decoder is None:
-            decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos_token_ids(model_dir, tokenizer))
+            decoder = load_engine(model_dir, tokenizer=tokenizer)
         return decoder
 
     for source in synthetic:

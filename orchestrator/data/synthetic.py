@@ -26,9 +26,9 @@ from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.data.conversations import Conversation
-from orchestrator.engine.decode import TargetDecoder
-from orchestrator.engine.sampling import SamplingParams
+from orchestrator.engine import SpecEngine
 from orchestrator.engine.vllm_backend import VllmGenerator
+from orchestrator.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 MARK = "\x00AERIE_USER_TURN\x00"
@@ -75,7 +75,7 @@ def user_turn_prefix(tokenizer, messages: list[dict]) -> str:
 
 
 def _complete(
-    decoder: TargetDecoder | VllmGenerator, tokenizer, texts: list[str], params: list[SamplingParams]
+    decoder: SpecEngine | VllmGenerator, tokenizer, texts: list[str], params: list[SamplingParams]
 ) -> list[tuple[str, bool]]:
     """Continue each rendered text; returns (completion, finished with EOS) per text."""
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -90,7 +90,7 @@ def _normalise(text: str) -> str:
 
 
 def synthesise_prompts(
-    decoder: TargetDecoder | VllmGenerator, tokenizer, cfg: SyntheticConfig
+    decoder: SpecEngine | VllmGenerator, tokenizer, cfg: SyntheticConfig
 ) -> tuple[list[Conversation], dict]:
     """Magpie-style first user turns, balanced over topics; returns conversations and statistics."""
     wanted = cfg.num_conversations
@@ -142,7 +142,7 @@ def synthesise_prompts(
 
 
 def answer_turns(
-    decoder: TargetDecoder | VllmGenerator,
+    decoder: SpecEngine | VllmGenerator,
     tokenizer,
     conversations: list[Conversation],
     cfg: RegenerateConfig,

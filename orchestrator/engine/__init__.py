@@ -1,6 +1,6 @@
-"""Engines: target-only decoding (the lossless baseline), sampling, the vLLM backend, throughput benchmark."""
+"""Engines in this process: the project's speculative engine (the runtime's workers and scheduler, no Ray)
+and vLLM as a generation backend."""
 
-from orchestrator.engine.decode import Generation, TargetDecoder
-from orchestrator.engine.sampling import SamplingParams, probabilities, sample
+from orchestrator.engine.engine import Generation, SpecEngine, load_engine
 
-__all__ = ["Generation", "SamplingParams", "TargetDecoder", "probabilities", "sample"]
+__all__ = ["Generation", "SpecEngine", "load_engine"]

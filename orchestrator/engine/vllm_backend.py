@@ -7,36 +7,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.engine.decode import Generation
-from orchestrator.engine.sampling import SamplingParams
+from orchestrator.engine.engine import Generation
+from orchestrator.spec.acceptance import Acceptance
+from orchestrator.spec.sampling import SamplingParams
 
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
 )
-
-
-@dataclass
-class SpecCounters:
-    """vLLM's cumulative speculative-decoding counters (differences between two snapshots are per period)."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
-
-    def __sub__(self, other: SpecCounters) -> SpecCounters:
-        return SpecCounters(
-            self.drafts - other.drafts, self.draft_tokens - other.draft_tokens, self.accepted - other.accepted
-        )
-
-    @property
-    def acceptance_length(self) -> float:
-        """1 + accepted / drafts: tokens per target step, counting the bonus token (vLLM's convention)."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 class VllmGenerator:
@@ -77,9 +59,12 @@ class VllmGenerator:
         """Stop vLLM's engine process now (an idle engine left behind would compete for the CPU)."""
         self.llm.llm_engine.engine_core.shutdown()
 
-    def counters(self) -> SpecCounters:
-        values = {m.name: getattr(m, "value", 0) for m in self.llm.get_metrics() if m.name in SPEC_COUNTERS}
-        return SpecCounters(*(int(values.get(name, 0)) for name in SPEC_COUNTERS))
+    def counters(self) -> Acceptance:
+        """vLLM's cumulative speculation counters (take differences between two snapshots)."""
+        metrics = self.llm.get_metrics()
+        values = {m.name: getattr(m, "value", 0) for m in metrics if m.name in SPEC_COUNTERS}
+        per_pos = next((list(m.values) for m in metrics if m.name == PER_POSITION), [])
+        return Acceptance(*(int(values.get(name, 0)) for name in SPEC_COUNTERS), [int(v) for v in per_pos])
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

@@ -1,7 +1,7 @@
 """Acceptance evaluation: drafters side by side on the same prompts, with the project's engine (greedy,
 chain and tree) and a vLLM cross-check.
 
-    prompts (sets.py) ──> for each drafter, for each method: SpecEngine greedy ──> tau per set / label,
+    prompts (sets.py) ──> for each drafter, for each method: the engine, greedy ──> tau per set / label,
                                                                                    per-depth acceptance
                       ──> vLLM (chain, same drafter, same prompts) ──> tau from vLLM's counters
     ──> table, plots, result.json, one MLflow run
@@ -17,13 +17,14 @@ from pathlib import Path
 from pydantic import Field
 
 from orchestrator.config import StrictModel
-from orchestrator.engine.benchmark import _Acceptance
-from orchestrator.engine.sampling import SamplingParams
-from orchestrator.engine.spec_engine import SpecConfig, load_spec_engine
+from orchestrator.engine import load_engine
 from orchestrator.evaluation.plots import plot_evaluation
 from orchestrator.evaluation.sets import EvalPrompt, long_context_set, mtbench_set, template_set, validation_set
 from orchestrator.models.target import read_hf_config
 from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+from orchestrator.spec.acceptance import Acceptance
+from orchestrator.spec.proposer import SpecConfig
+from orchestrator.spec.sampling import SamplingParams
 from orchestrator.tracking import client, fetch_drafter, redact, tracking_uri
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,10 @@ def build_sets(cfg: EvalConfig, model_dir: Path, tokenizer, eos) -> list[EvalPro
 
 
 def _tau_by(prompts: list[EvalPrompt], generations, key) -> dict[str, dict]:
-    groups: dict[str, _Acceptance] = defaultdict(_Acceptance)
+    groups: dict[str, Acceptance] = defaultdict(Acceptance)
     for p, g in zip(prompts, generations, strict=True):
-        groups[key(p)].add(g.metrics)
-    return {k: acc.summary() | {"rounds": acc.total.rounds} for k, acc in sorted(groups.items())}
+        groups[key(p)] += g.acceptance
+    return {k: acc.summary() for k, acc in sorted(groups.items())}
 
 
 def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompts, eos) -> dict:
@@ -94,7 +95,7 @@ def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompt
     params = SamplingParams(max_tokens=cfg.max_tokens)
     out = {}
     for method, spec in cfg.methods.items():
-        engine = load_spec_engine(model_dir, drafter_dir, spec, eos, max_batch=cfg.batch_size)
+        engine = load_engine(model_dir, drafter_dir, spec, max_batch=cfg.batch_size, eos_token_ids=eos)
         gens = engine.generate([p.ids for p in prompts], params)
         out[method] = {
             "overall": _tau_by(prompts, gens, lambda p: "all")["all"],
@@ -102,7 +103,7 @@ def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompt
             "labels": _tau_by(prompts, gens, lambda p: f"{p.set}/{p.label}"),
         }
         log.info("%s %s: tau %.3f", drafter_dir.name, method, out[method]["overall"]["acceptance_length"])
-    out["draft_vocab_coverage"] = _coverage(engine.proposer.drafter.t2d, prompts, gens)
+    out["draft_vocab_coverage"] = _coverage(engine.draft.proposer.drafter.t2d, prompts, gens)
     return out
 
 

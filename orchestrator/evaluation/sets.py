@@ -45,9 +45,33 @@ def _render(tokenizer, messages: list[dict], template: str | None = None) -> lis
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def mtbench_set(model_dir: Path, tokenizer, eos: Sequence[int], num_questions: int, answer_tokens: int) -> list:
-    from orchestrator.engine.benchmark import mtbench_prompt_ids
+def mtbench_prompt_ids(
+    model_dir: Path, tokenizer, eos: Sequence[int], num_questions: int, answer_tokens: int, system: str | None = None
+) -> list[list[int]]:
+    """Every first turn of the first `num_questions` MT-Bench questions, then every second turn after the
+    target's own greedy first answer (at most `answer_tokens`), optionally after a system message."""
+    from orchestrator.data.prompts import PromptItem, encode_prompt
+    from orchestrator.engine import load_engine
+    from orchestrator.spec.sampling import SamplingParams
 
+    questions = mtbench_questions()[:num_questions]
+    head = [{"role": "system", "content": system}] if system is not None else []
+    firsts = [head + [{"role": "user", "content": q["turns"][0]}] for q in questions]
+    first_ids = [encode_prompt(tokenizer, PromptItem(0, messages=m)) for m in firsts]
+    engine = load_engine(model_dir, max_batch=16, eos_token_ids=eos)
+    answers = engine.generate(first_ids, SamplingParams(max_tokens=answer_tokens))
+    seconds = [
+        m
+        + [
+            {"role": "assistant", "content": tokenizer.decode(a.token_ids, skip_special_tokens=True)},
+            {"role": "user", "content": q["turns"][1]},
+        ]
+        for m, a, q in zip(firsts, answers, questions, strict=True)
+    ]
+    return first_ids + [encode_prompt(tokenizer, PromptItem(0, messages=m)) for m in seconds]
+
+
+def mtbench_set(model_dir: Path, tokenizer, eos: Sequence[int], num_questions: int, answer_tokens: int) -> list:
     ids = mtbench_prompt_ids(model_dir, tokenizer, eos, num_questions, answer_tokens)
     half = len(ids) // 2
     return [EvalPrompt("mtbench", "turn 1" if i < half else "turn 2", p) for i, p in enumerate(ids)]

@@ -211,25 +211,36 @@ def _check_tensors(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: 
         )
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> Drafter:
-    """Load a vLLM-format EAGLE-3 / 3.1 drafter directory, rejecting any tensor that disagrees with config.
-
-    packed: for inference only, run the linear layers on oneDNN-packed weights (CPU; see `PackedLinear`):
-    a drafting call at tree depth 4 costs about half as much here."""
+def read_drafter_hf(path: str | Path) -> dict:
+    """A drafter directory's config.json, with a clear error when it is not one."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"drafter directory {str(path)!r} does not exist")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
+
+
+def drafter_aux_layer_ids(path: str | Path) -> tuple[int, ...]:
+    """The target layers a drafter reads (from its config; the target must capture exactly these)."""
+    return tuple(drafter_config_from_hf(read_drafter_hf(path)).aux_layer_ids)
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> Drafter:
+    """Load a vLLM-format EAGLE-3 / 3.1 drafter directory, rejecting any tensor that disagrees with config.
+
+    packed: for inference only, run the linear layers on oneDNN-packed weights (CPU; see `PackedLinear`):
+    a drafting call at tree depth 4 costs about half as much here."""
+    path = Path(path)
+    hf = read_drafter_hf(path)
     if not list(path.glob("*.safetensors")):
         pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         hint = f" (found {pickles}: pickle weights are never loaded; convert them to safetensors)" if pickles else ""
         raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
     tensors = load_safetensors_dir(path)
     cfg = drafter_config_from_hf(hf, has_embed_tokens="embed_tokens.weight" in tensors)
     _check_tensors(cfg, tensors, path)

@@ -45,6 +45,10 @@ class KVCache:
     def num_slots(self) -> int:
         return self.lengths.numel()
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def allocate(self) -> int:
         """Take a free slot (lowest id first, so a batch of new requests gets contiguous slots)."""
         if not self._free:

@@ -3,17 +3,22 @@
     HTTP ──> SpecServer replica (FastAPI ingress + SpecScheduler) ──> TargetWorker actor  (target node group)
                                                                 └──> DraftWorker actor   (draft node group)
 
+A token's path: this file (the request is parsed and validated by `protocol.py`, then submitted) ->
+`runtime/scheduler.py` (rounds) -> `runtime/workers.py` (the target's forward, accept, emit) ->
+`spec/verify.py` (which token) -> back through the scheduler's `text_events` (`runtime/detok.py`: text and
+stop strings) to the SSE chunks or the JSON response here.
+
 Each replica owns one TargetWorker and one DraftWorker, placed by resources, custom resources (`target`,
 `draft`), node labels or a placement group; more replicas serve in parallel (data parallel). Endpoints:
-`/v1/chat/completions`, `/v1/completions` (SSE streaming or not), `/v1/models`, `/health`, and `/stats`
-(the scheduler's totals and round timeline, for benchmarks and rollouts).
+`/v1/chat/completions`, `/v1/completions` (SSE streaming or not), `/v1/models`, `/health` (503 when the
+target cannot admit work), and `/stats` (the scheduler's totals, KV slots, queue, and the round timeline,
+for benchmarks and rollouts).
 
 `serve run configs/smollm2-135m/serve.yaml`, `serve deploy ...` or `aerie serve --config ...` start it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import logging
@@ -25,9 +30,8 @@ from pydantic import Field
 from ray import serve
 
 from orchestrator.config import StrictModel
-from orchestrator.engine.scheduler import SchedulerConfig, SpecScheduler
-from orchestrator.engine.spec_engine import SpecConfig
-from orchestrator.serving.detok import TextStream
+from orchestrator.runtime.detok import TextStream
+from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.protocol import (
     ChatCompletionRequest,
     Chunker,
@@ -38,6 +42,7 @@ from orchestrator.serving.protocol import (
     sse,
     usage,
 )
+from orchestrator.spec.proposer import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +93,8 @@ class _Workers:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from orchestrator.engine.workers import DraftWorker, TargetWorker
+        from orchestrator.runtime.workers import DraftWorker, TargetWorker
+        from orchestrator.spec.proposer import load_eagle_proposer
 
         tag = serve.get_replica_context().replica_id.unique_id
         self.names = {"target": f"aerie-target-{tag}", "draft": f"aerie-draft-{tag}"}
@@ -119,18 +125,17 @@ class _Workers:
         self.target = (
             ray.remote(TargetWorker)
             .options(**options["target"])
-            .remote(model_dir, aux_ids, eos, max_batch, cfg.target.torch_threads)
+            .remote(model_dir, eos, max_batch, aux_ids, cfg.target.torch_threads)
         )
         self.draft = None
         if cfg.speculation:
-            factory = None
+            depth, topk, _ = cfg.spec.shape()
             if cfg.proposer_factory:
                 factory = functools.partial(_import(cfg.proposer_factory), **cfg.proposer_args)
-            depth, topk, _ = cfg.spec.shape()
+            else:
+                factory = functools.partial(load_eagle_proposer, cfg.drafter, model_dir, depth, topk, max_batch)
             self.draft = (
-                ray.remote(DraftWorker)
-                .options(**options["draft"])
-                .remote(cfg.drafter, model_dir, depth, topk, max_batch, cfg.draft.torch_threads, factory)
+                ray.remote(DraftWorker).options(**options["draft"]).remote(factory, max_batch, cfg.draft.torch_threads)
             )
         handles = {"target": self.target, "draft": self.draft}
         self.info = {role: ray.get(h.ready.remote(), timeout=600) for role, h in handles.items() if h is not None}
@@ -159,14 +164,9 @@ def _drafter_dir(cfg: SpecServeConfig):
     return fetch_drafter(cfg.drafter, cfg.drafter_cache_dir)
 
 
-def _drafter_aux_ids(drafter_dir) -> list[int]:
-    """The target layers the drafter reads, from its config."""
-    import json
-    from pathlib import Path
-
-    from orchestrator.models.checkpoint import drafter_config_from_hf
-
-    return list(drafter_config_from_hf(json.loads((Path(drafter_dir) / "config.json").read_text())).aux_layer_ids)
+def _error_body(event) -> dict:
+    """A failed request's error event as OpenAI's error body (400: the request was at fault)."""
+    return error_body(event.error, "invalid_request_error" if event.status == 400 else "server_error")
 
 
 # Serve pickles the ingress class when it is decorated: everything it calls is defined above it.
@@ -179,10 +179,12 @@ class SpecServer:
     """OpenAI-compatible ingress over a SpecScheduler and its two workers."""
 
     def __init__(self, config: dict) -> None:
-        from orchestrator.engine.metrics import ServingMetrics
+        from orchestrator.models.checkpoint import drafter_aux_layer_ids
         from orchestrator.models.prepare import resolve_model
         from orchestrator.models.target import default_aux_layer_ids, read_hf_config
         from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+        from orchestrator.runtime.clients import RemoteWorker
+        from orchestrator.runtime.metrics import ServingMetrics
 
         cfg = SpecServeConfig.model_validate(config)
         model_dir = resolve_model(cfg.model, cfg.models_dir)
@@ -195,10 +197,12 @@ class SpecServer:
         aux = list(default_aux_layer_ids(hf["num_hidden_layers"]))
         if cfg.speculation and cfg.proposer_factory is None:
             cfg = cfg.model_copy(update={"drafter": str(_drafter_dir(cfg))})
-            aux = _drafter_aux_ids(cfg.drafter)
+            aux = list(drafter_aux_layer_ids(cfg.drafter))
         self.workers = _Workers(cfg, str(model_dir), aux, eos)
-        nodes = cfg.scheduler.model_copy(update={"max_nodes_per_request": cfg.spec.shape()[2]})
-        self.scheduler = SpecScheduler(self.workers.target, self.workers.draft, nodes, ServingMetrics(self.name))
+        timeout = cfg.scheduler.worker_timeout_s
+        draft = RemoteWorker(self.workers.draft, timeout) if self.workers.draft is not None else None
+        target = RemoteWorker(self.workers.target, timeout)
+        self.scheduler = SpecScheduler(target, draft, cfg.scheduler, cfg.spec.shape()[2], ServingMetrics(self.name))
         self.started = False
         log.info("serving %s with workers %s", self.name, self.workers.info)
 
@@ -236,10 +240,18 @@ class SpecServer:
 
     @api.get("/health")
     async def health(self):
-        try:
-            await asyncio.wait_for(self.workers.target.ready.remote(), timeout=10)
-        except Exception as err:  # noqa: BLE001 (any failure means: not healthy)
-            return JSONResponse(error_body(f"target worker unavailable: {err}", "server_error"), status_code=503)
+        """503 when the target cannot admit work: it does not answer, the scheduler stopped, or no KV slot is
+        free while no request runs (slots leaked)."""
+        self._start()
+        target = (await self.scheduler.refresh_slots())["target"]
+        running = sum(len(g.requests) for g in self.scheduler.groups)
+        problem = target.get("error")
+        if problem is None and not self.scheduler.running:
+            problem = "the scheduler stopped"
+        if problem is None and target["free_slots"] == 0 and running == 0:
+            problem = "no free KV slot on the target while no request runs"
+        if problem is not None:
+            return JSONResponse(error_body(f"target worker unavailable: {problem}", "server_error"), status_code=503)
         return {
             "status": "ok",
             "draft_alive": self.scheduler.draft_alive,
@@ -249,6 +261,7 @@ class SpecServer:
 
     @api.get("/stats")
     async def stats(self, trace: bool = False):
+        await self.scheduler.refresh_slots()
         out = self.scheduler.stats()
         if trace:
             out["trace"] = list(self.scheduler.trace)
@@ -269,10 +282,8 @@ class SpecServer:
             params = req.sampling(max_tokens)
         except RequestError as err:
             return JSONResponse(err.body(), status_code=err.status)
-        if not self.started:
-            self.scheduler.start()
-            self.started = True
-        handle = await self.scheduler.submit(prompt_ids, params)
+        self._start()
+        handle = self.scheduler.submit(prompt_ids, params)
         text = TextStream(self.tokenizer, params.stop)
         chunker = Chunker(chat, self.name)
         if req.stream:
@@ -280,6 +291,12 @@ class SpecServer:
                 self._stream(handle, text, chunker, len(prompt_ids), req.include_usage), media_type="text/event-stream"
             )
         return await self._complete(handle, text, chunker, len(prompt_ids))
+
+    def _start(self) -> None:
+        """The scheduler's loops start with the replica's event loop (the first request or health check)."""
+        if not self.started:
+            self.scheduler.start()
+            self.started = True
 
     def _max_tokens(self, prompt_len: int, asked: int | None) -> int:
         room = self.context - prompt_len
@@ -298,28 +315,12 @@ class SpecServer:
             )
         return asked
 
-    async def _events(self, handle, text: TextStream):
-        """(text delta, finish reason, error event) per scheduler event; a stop string ends the request."""
-        async for event in self.scheduler.events(handle):
-            if event.error:
-                yield "", None, event
-                return
-            delta = text.add(event.tokens) if event.tokens else ""
-            if text.stopped:
-                self.scheduler.abort(handle.id)
-                yield delta, "stop", None
-                return
-            if event.finish_reason:
-                yield delta + text.finish(), event.finish_reason, None
-                return
-            yield delta, None, None
-
     async def _complete(self, handle, text: TextStream, chunker: Chunker, prompt_len: int):
         parts, finish = [], None
         try:
-            async for delta, reason, error in self._events(handle, text):
+            async for delta, reason, error in self.scheduler.text_events(handle, text):
                 if error is not None:
-                    return JSONResponse(error_body(error.error, "server_error"), status_code=error.status)
+                    return JSONResponse(_error_body(error), status_code=error.status)
                 parts.append(delta)
                 finish = reason or finish
         finally:
@@ -329,9 +330,9 @@ class SpecServer:
     async def _stream(self, handle, text: TextStream, chunker: Chunker, prompt_len: int, include_usage: bool):
         try:
             yield chunker.chunk("", first=True)
-            async for delta, reason, error in self._events(handle, text):
+            async for delta, reason, error in self.scheduler.text_events(handle, text):
                 if error is not None:
-                    yield sse(error_body(error.error, "server_error") | {"status": error.status})
+                    yield sse(_error_body(error) | {"status": error.status})
                     break
                 if delta:
                     yield chunker.chunk(delta)

@@ -1,14 +1,10 @@
-"""`aerie serve [--backend vllm|disaggregated] [--config FILE] [key=value ...]`: start a served model.
-
-The file is an ordinary Serve config (what `serve run FILE` and `serve deploy FILE` read); the overrides are
-applied to the first application's `args`, which are validated before anything starts. `aerie serve` puts the
-application behind the router (`orchestrator.serving.router`) as backend `NAME-1`, so that `jobs.deploy` can
-later roll a new drafter out to it.
+"""Serve config files of either backend: an ordinary Serve config (what `serve run FILE` and `serve deploy
+FILE` read) whose first application's `args` take `key=value` overrides and are validated before anything
+starts. `aerie serve` and `jobs.deploy` (`rollout.py`) read them here.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import yaml
@@ -16,8 +12,6 @@ from omegaconf import OmegaConf
 
 from orchestrator.config import describe_validation_error
 from orchestrator.errors import AerieError
-
-log = logging.getLogger(__name__)
 
 BACKENDS = {
     "disaggregated": ("orchestrator.serving.app:build_app", "configs/smollm2-135m/serve.yaml"),
@@ -73,44 +67,3 @@ def _check_drafter(drafter: str | None) -> None:
             f"drafter {drafter!r} is not a drafter directory: train one (`make drafters`), "
             "or set drafter=DIR|s3://...|models:/NAME@ALIAS, or speculation=false"
         )
-
-
-def serve_app(
-    path: str | Path | None,
-    overrides: list[str] | None = None,
-    address: str | None = None,
-    host: str | None = None,
-    port: int | None = None,
-    blocking: bool = True,
-    backend: str | None = None,
-) -> str:
-    """Deploy the config's first application behind the router on Ray (local, or the cluster at `address`);
-    returns the URL clients use."""
-    from orchestrator.serving.rollout import DeployConfig, run_rollout
-
-    if path is None:
-        if backend is None:
-            raise AerieError("give --config FILE or --backend vllm|disaggregated (its default config)")
-        path = BACKENDS[backend][1]
-    config, app = read_serve_config(path, overrides)
-    if backend is not None and backend_of(app["import_path"]) != backend:
-        raise AerieError(
-            f"{path} is not a {backend} config (import_path {app['import_path']}); "
-            f"the {backend} backend's is {BACKENDS[backend][1]}"
-        )
-    http = dict(config.get("http_options") or {})
-    host, port = host or http.get("host", "127.0.0.1"), port or http.get("port", 8000)
-    name = app.get("name", "aerie")
-    cfg = DeployConfig(
-        app=str(path), app_overrides=list(overrides or []), name=name, address=address, host=host, port=port
-    )
-    url = f"http://{host}:{port}"
-    log.info("deploying %s at %s", name, url)
-    run_rollout(cfg, initial_only=True)
-    print(f"serving {name} at {url}", flush=True)
-    if blocking:
-        import time
-
-        while True:
-            time.sleep(3600)
-    return url

@@ -1,6 +1,7 @@
 """The OpenAI-compatible request/response surface: pydantic request models, error bodies, SSE chunks.
 
-Requests are validated here; every user mistake becomes HTTP 400 with OpenAI's error body:
+Requests are validated here, before anything is allocated for them; every user mistake (a field out of
+range, a seed torch cannot take, a content part without text, ...) becomes HTTP 400 with OpenAI's error body:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 """
@@ -14,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from orchestrator.engine.sampling import SamplingParams
+from orchestrator.spec.sampling import SamplingParams
 
 
 class RequestError(Exception):
@@ -35,7 +36,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 class _Common(BaseModel):
     """Sampling fields shared by both endpoints (OpenAI's, plus vLLM's `top_k` and `ignore_eos`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -59,15 +60,19 @@ class _Common(BaseModel):
         return stops
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(0, self.top_k),
-            seed=self.seed,
-            stop=tuple(self.stop or ()),
-            ignore_eos=self.ignore_eos,
-        )
+        """The engine's sampling parameters (their ranges are checked there: a bad one is a 400 naming it)."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=max(0, self.top_k),
+                seed=self.seed,
+                stop=tuple(self.stop or ()),
+                ignore_eos=self.ignore_eos,
+            )
+        except ValidationError as err:
+            raise _request_error(err) from err
 
     @property
     def include_usage(self) -> bool:
@@ -80,13 +85,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict]
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        for i, part in enumerate([] if isinstance(v, str) else v):
+            if part.get("type") != "text":
+                raise ValueError(f"part {i}: only text content parts are supported, not {part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: a text part needs a string 'text'")
+        return v
+
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = [p.get("text") for p in self.content if p.get("type") == "text"]
-        if len(parts) != len(self.content):
-            raise ValueError("only text content parts are supported")
-        return "".join(parts)
+        return self.content if isinstance(self.content, str) else "".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -118,10 +128,15 @@ def parse(model: type[BaseModel], body) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        e = err.errors()[0]
-        loc = ".".join(str(x) for x in e["loc"])
-        missing = e["type"] == "missing"
-        raise RequestError(f"'{loc}' is a required property" if missing else f"{loc}: {e['msg']}", loc) from err
+        raise _request_error(err) from err
+
+
+def _request_error(err: ValidationError) -> RequestError:
+    """The first problem of a validation error, as a 400 naming the field."""
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"])
+    missing = e["type"] == "missing"
+    return RequestError(f"'{loc}' is a required property" if missing else f"{loc}: {e['msg']}", loc)
 
 
 class Chunker:

@@ -34,7 +34,9 @@ from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
+from orchestrator.serving.launch import BACKENDS, backend_of, read_serve_config
 from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig
+from orchestrator.spec.acceptance import Acceptance
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +73,26 @@ def _get_json(url: str, timeout: float = 10) -> dict:
         return json.loads(r.read())
 
 
-def stats_counters(base: str) -> tuple[float, float]:
-    """(accepted draft tokens, drafted request-steps) of a disaggregated backend, from its /stats."""
-    s = _get_json(f"{base}/stats")
-    return float(s["accepted"]), float(s["drafted_requests"])
+def stats_counters(base: str) -> Acceptance:
+    """A disaggregated backend's acceptance counters, from its /stats."""
+    return Acceptance.from_dict(_get_json(f"{base}/stats")["acceptance"])
 
 
-_VLLM = {"accepted": "spec_decode_num_accepted_tokens", "drafts": "spec_decode_num_drafts"}
+_VLLM = {
+    "drafts": "spec_decode_num_drafts",
+    "draft_tokens": "spec_decode_num_draft_tokens",
+    "accepted": "spec_decode_num_accepted_tokens",
+}
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
 
 
-def vllm_counters(app: str) -> tuple[float, float]:
-    """(accepted, drafts) summed over the vLLM engines of Serve application `app`, from the Prometheus
+def vllm_counters(app: str) -> Acceptance:
+    """vLLM's acceptance counters summed over the engines of Serve application `app`, from the Prometheus
     endpoint of every Ray node (samples carry the engine's `ReplicaId`)."""
     import ray
 
     replicas = {name.rsplit("#", 1)[-1] for name in _replica_actors(app)}
-    totals = {"accepted": 0.0, "drafts": 0.0}
+    totals = dict.fromkeys(_VLLM, 0.0)
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
@@ -104,13 +109,7 @@ def vllm_counters(app: str) -> tuple[float, float]:
             for key, metric in _VLLM.items():
                 if m["name"] == f"ray_vllm_{metric}_total":
                     totals[key] += float(m["value"])
-    return totals["accepted"], totals["drafts"]
-
-
-def acceptance_length(before: tuple[float, float], after: tuple[float, float]) -> tuple[float, float]:
-    """(acceptance length over the window, drafted request-steps in it)."""
-    accepted, drafts = after[0] - before[0], after[1] - before[1]
-    return (1.0 + accepted / drafts if drafts > 0 else 1.0), drafts
+    return Acceptance(int(totals["drafts"]), int(totals["draft_tokens"]), int(totals["accepted"]))
 
 
 # -- Serve plumbing ----------------------------------------------------------------------------------------------
@@ -217,8 +216,7 @@ class Rollout:
         _wait_running(app, self.cfg.startup_timeout_s, tick=self.sample)
         self.event("backend running", app=app)
 
-    def counters(self, app: str, import_path: str) -> tuple[float, float]:
-        from orchestrator.serving.launch import backend_of
+    def counters(self, app: str, import_path: str) -> Acceptance:
 
         if backend_of(import_path) == "vllm":
             return vllm_counters(app)
@@ -253,7 +251,6 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
     from ray import serve
 
     from orchestrator.jobrunner import init_ray
-    from orchestrator.serving.launch import read_serve_config
 
     overrides = list(cfg.app_overrides) + ([f"drafter={cfg.drafter}"] if cfg.drafter else [])
     _, config_app = read_serve_config(cfg.app, overrides)
@@ -296,10 +293,10 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
         }
         ro.set_routes([stable.model_copy(update={"weight": 1 - cfg.canary_weight}), canary])
         watched = _watch(ro, cfg, before, {stable.app: stable_path, canary.app: import_path})
-        stable_al, canary_al = watched[stable.app][0], watched[canary.app][0]
+        stable_al, canary_al = watched[stable.app].acceptance_length, watched[canary.app].acceptance_length
         promote = canary_al >= stable_al - cfg.tolerance
         record.update(
-            acceptance={app: {"acceptance_length": al, "drafts": n} for app, (al, n) in watched.items()},
+            acceptance={app: a.summary() for app, a in watched.items()},
             decision="promoted" if promote else "rolled back",
             reason=f"canary {canary_al:.3f} vs stable {stable_al:.3f} - tolerance {cfg.tolerance}",
         )
@@ -327,13 +324,11 @@ def _replica_actors(app: str) -> list[str]:
 
 def _import_path_of(route: Route) -> str:
     """The kind of a running backend: the vLLM app's replicas are Ray Serve LLM's `LLMServer`."""
-    from orchestrator.serving.launch import BACKENDS
-
     vllm = any("#LLMServer" in name for name in _replica_actors(route.app))
     return BACKENDS["vllm" if vllm else "disaggregated"][0]
 
 
-def _watch(ro: Rollout, cfg: DeployConfig, before: dict, paths: dict) -> dict[str, tuple[float, float]]:
+def _watch(ro: Rollout, cfg: DeployConfig, before: dict, paths: dict) -> dict[str, Acceptance]:
     """Acceptance length of every app over a window of at least window_s and min_drafts on each side."""
     start = time.monotonic()
     while True:
@@ -342,9 +337,9 @@ def _watch(ro: Rollout, cfg: DeployConfig, before: dict, paths: dict) -> dict[st
         elapsed = time.monotonic() - start
         if elapsed < cfg.window_s:
             continue
-        now = {app: acceptance_length(before[app], ro.counters(app, path)) for app, path in paths.items()}
-        ro.event("watch", **{app: {"acceptance_length": round(al, 3), "drafts": n} for app, (al, n) in now.items()})
-        if all(n >= cfg.min_drafts for _, n in now.values()) or elapsed >= cfg.max_window_s:
+        now = {app: ro.counters(app, path) - before[app] for app, path in paths.items()}
+        ro.event("watch", **{app: a.summary() for app, a in now.items()})
+        if all(a.drafts >= cfg.min_drafts for a in now.values()) or elapsed >= cfg.max_window_s:
             return now
 
 
@@ -421,3 +416,41 @@ def _record_in_registry(cfg: DeployConfig, record: dict) -> None:
     if decision in ("initial", "promoted"):
         c.set_registered_model_alias(name, cfg.production_alias, version)
     print(f"[deploy] {name} version {version}: {decision}", flush=True)
+
+
+def serve_app(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    address: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    blocking: bool = True,
+    backend: str | None = None,
+) -> str:
+    """`aerie serve [--backend vllm|disaggregated] [--config FILE] [key=value ...]`: deploy the config's first
+    application behind the router on Ray (local, or the cluster at `address`) as backend `NAME-1`, so that
+    `jobs.deploy` can later roll a new drafter out to it; returns the URL clients use."""
+    if path is None:
+        if backend is None:
+            raise AerieError("give --config FILE or --backend vllm|disaggregated (its default config)")
+        path = BACKENDS[backend][1]
+    config, app = read_serve_config(path, overrides)
+    if backend is not None and backend_of(app["import_path"]) != backend:
+        raise AerieError(
+            f"{path} is not a {backend} config (import_path {app['import_path']}); "
+            f"the {backend} backend's is {BACKENDS[backend][1]}"
+        )
+    http = dict(config.get("http_options") or {})
+    host, port = host or http.get("host", "127.0.0.1"), port or http.get("port", 8000)
+    name = app.get("name", "aerie")
+    cfg = DeployConfig(
+        app=str(path), app_overrides=list(overrides or []), name=name, address=address, host=host, port=port
+    )
+    url = f"http://{host}:{port}"
+    log.info("deploying %s at %s", name, url)
+    run_rollout(cfg, initial_only=True)
+    print(f"serving {name} at {url}", flush=True)
+    if blocking:
+        while True:
+            time.sleep(3600)
+    return url

@@ -17,22 +17,41 @@ verification lossless. Sampling requests draw children from the draft distributi
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Literal, Protocol
 
 import torch
+from pydantic import Field
 
-from orchestrator.engine.sampling import SamplingParams, probabilities
+from orchestrator.config import StrictModel
 from orchestrator.models.drafter import Drafter
-from orchestrator.spec.tree import DraftTree
+from orchestrator.spec.sampling import SamplingParams
+from orchestrator.spec.tree import BestFirst, DraftTree
+from orchestrator.spec.verify import probabilities
+
+
+class SpecConfig(StrictModel):
+    """How to speculate: a chain of `num_spec_tokens`, or an EAGLE-2 dynamic tree."""
+
+    method: Literal["chain", "tree"] = Field("chain", description="chain drafts or dynamic trees")
+    num_spec_tokens: int = Field(3, ge=1, description="chain: draft tokens per round")
+    depth: int = Field(4, ge=1, description="tree: most draft levels")
+    topk: int = Field(4, ge=1, description="tree: children per expanded node and nodes expanded per level")
+    budget: int = Field(16, ge=1, description="tree: most draft tokens the target verifies per request")
+
+    def shape(self) -> tuple[int, int, int]:
+        """(depth, topk, most nodes per request) of the proposer."""
+        if self.method == "chain":
+            return self.num_spec_tokens, 1, self.num_spec_tokens
+        return self.depth, self.topk, self.budget
 
 
 @dataclass
 class ProposeItem:
     """One request's input to a drafting round."""
 
-    request_id: int
+    request_id: str
     tokens: torch.Tensor  # [m] x[t+1] for each new target state
     aux: torch.Tensor  # [m, k * target_hidden] aux hidden states at positions t
     params: SamplingParams
@@ -41,11 +60,12 @@ class ProposeItem:
 
 
 class Proposer(Protocol):
-    """What the engine needs from a drafting method (EAGLE, or a test's replay proposer)."""
+    """What the draft side needs from a drafting method (EAGLE, or a test's replay proposer). A proposer with
+    a bounded context also has `max_context` (tokens, drafted ones included) and `depth`."""
 
     def propose(self, items: list[ProposeItem]) -> list[DraftTree]: ...
 
-    def release(self, request_id: int) -> None: ...
+    def release(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -81,10 +101,11 @@ class EagleProposer:
         self.drafter = drafter
         self.depth, self.topk = depth, topk
         self.cache = drafter.new_cache(max_requests, max_tokens)
-        self.slots: dict[int, int] = {}
-        self.committed: dict[int, int] = {}
+        self.max_context = self.cache.max_tokens
+        self.slots: dict[str, int] = {}
+        self.committed: dict[str, int] = {}
 
-    def release(self, request_id: int) -> None:
+    def release(self, request_id: str) -> None:
         if request_id in self.slots:
             self.cache.release(self.slots.pop(request_id))
             self.committed.pop(request_id)
@@ -201,22 +222,11 @@ class EagleProposer:
         if g.item.budget <= 0 or not g.candidates:
             return DraftTree.empty()
         cands = g.candidates
-        first_child = {-1: next((i for i, c in enumerate(cands) if c.parent < 0 and c.order == 0), None)}
-        heap = [(-cands[first_child[-1]].score, first_child[-1])]
+        order = BestFirst([([c.parent for c in cands], [c.score for c in cands])])
         chosen: list[int] = []
-        siblings: dict[int, list[int]] = {}
-        for i, c in enumerate(cands):
-            siblings.setdefault(c.parent, []).append(i)
-        while heap and len(chosen) < g.item.budget:
-            _, node = heapq.heappop(heap)
-            chosen.append(node)
-            sibs = siblings[cands[node].parent]
-            nxt = sibs.index(node) + 1
-            if nxt < len(sibs):
-                heapq.heappush(heap, (-cands[sibs[nxt]].score, sibs[nxt]))
-            if cands[node].children:
-                child = cands[node].children[0]
-                heapq.heappush(heap, (-cands[child].score, child))
+        while len(chosen) < g.item.budget and (best := order.pop()) is not None:
+            order.take(*best)
+            chosen.append(best[1])
         chosen.sort(key=lambda i: (cands[i].depth, i))  # parents first, siblings in drawing order
         index = {node: pos for pos, node in enumerate(chosen)}
         tokens = torch.tensor([cands[i].token for i in chosen])
@@ -233,3 +243,34 @@ def _ancestors(g: _Growing, node: int) -> list[int]:
         out.append(parent)
         parent = g.candidates[parent].parent
     return out
+
+
+def load_eagle_proposer(
+    drafter_dir: str | Path, target_dir: str | Path, depth: int, topk: int, max_requests: int
+) -> EagleProposer:
+    """An EagleProposer over a vLLM-format drafter for the target in `target_dir`. A drafter that shares the
+    target's embedding gets just that tensor, read by name from the target's safetensors."""
+    from safetensors import safe_open
+    from torch import nn
+
+    from orchestrator.errors import AerieError
+    from orchestrator.models.checkpoint import load_drafter
+    from orchestrator.models.target import read_hf_config
+
+    drafter = load_drafter(drafter_dir, packed=True)
+    hf = read_hf_config(target_dir)
+    if drafter.config.vocab_size != hf["vocab_size"] or drafter.config.target_hidden_size != hf["hidden_size"]:
+        raise AerieError(
+            f"drafter {drafter_dir} was built for vocab {drafter.config.vocab_size} / hidden "
+            f"{drafter.config.target_hidden_size}, the target has {hf['vocab_size']} / {hf['hidden_size']}"
+        )
+    if not drafter.config.stores_embeddings:
+        for file in sorted(Path(target_dir).glob("*.safetensors")):
+            with safe_open(file, framework="pt") as f:
+                if "model.embed_tokens.weight" in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    weight = f.get_tensor("model.embed_tokens.weight").float()
+                    drafter.share_embedding(nn.Embedding.from_pretrained(weight, freeze=True))
+                    break
+        else:
+            raise AerieError(f"{target_dir}: no model.embed_tokens.weight for the drafter to share")
+    return EagleProposer(drafter, depth, topk, max_requests)

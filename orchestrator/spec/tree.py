@@ -12,6 +12,8 @@ ancestors (`attention_block`), at rope position `root_position + depth`.
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -108,3 +110,46 @@ def pack_trees(
     positions = torch.cat([base[i] + torch.cat([zero, t.depths()]) for i, t in enumerate(trees)])
     num = torch.tensor([1 + t.size for t in trees])
     return tokens, positions, num, block_mask
+
+
+class BestFirst:
+    """The nodes of several draft trees, best score first, each only once its parent and its earlier-drawn
+    siblings are taken: the order in which verification may accept them, so any set of nodes taken this way
+    keeps verification lossless. The one best-first selection of the project (the proposer's EAGLE-2 tree
+    cut, the scheduler's global budget split).
+
+        tree a: parents [-1, 0], scores [-.1, -.7];  tree b: parents [-1], scores [-1.2]
+        pop -> (a, 0); take(a, 0) -> a:1 eligible;  pop -> (a, 1); take(a, 1);  pop -> (b, 0) ...
+
+    A node popped but not taken (a request over its own cap) keeps its siblings and subtree out.
+    """
+
+    def __init__(self, trees: Sequence[tuple[Sequence[int], Sequence[float]]]) -> None:
+        """trees: (parents [n], scores [n]) each, nodes in topological order, siblings in drawing order."""
+        self.scores = [list(map(float, scores)) for _, scores in trees]
+        self.children: list[dict[int, list[int]]] = []
+        self.parents = [list(map(int, parents)) for parents, _ in trees]
+        self.heap: list[tuple[float, int, int]] = []
+        for t, parents in enumerate(self.parents):
+            kids: dict[int, list[int]] = {}
+            for i, p in enumerate(parents):
+                kids.setdefault(p, []).append(i)
+            self.children.append(kids)
+            if -1 in kids:
+                self._push(t, kids[-1][0])
+
+    def _push(self, tree: int, node: int) -> None:
+        heapq.heappush(self.heap, (-self.scores[tree][node], tree, node))
+
+    def pop(self) -> tuple[int, int] | None:
+        """(tree, node) of the best eligible node, or None when none is left."""
+        return heapq.heappop(self.heap)[1:] if self.heap else None
+
+    def take(self, tree: int, node: int) -> None:
+        """Keep the popped node: its next sibling and its first child become eligible."""
+        siblings = self.children[tree][self.parents[tree][node]]
+        at = siblings.index(node)
+        if at + 1 < len(siblings):
+            self._push(tree, siblings[at + 1])
+        if node in self.children[tree]:
+            self._push(tree, self.children[tree][node][0])

@@ -1,14 +1,19 @@
-"""Lossless verification of a draft tree against the target's distributions.
+"""How the target chooses its tokens: lossless verification of a draft tree (an empty tree is plain sampling).
 
 Greedy (temperature 0): walk down from the root, following the child whose token is the target's argmax;
 the argmax where the walk stops is the bonus (or correcting) token. Output = exactly greedy target decoding.
 
-Sampling: recursive rejection sampling (SpecInfer; Sequoia/EAGLE). At a node with target distribution p,
-try its children in drawing order. A child x drawn from q is accepted with probability min(1, p(x) / q(x));
-on rejection p <- norm(max(p - q, 0)) and, since siblings are drawn without replacement, q <- norm(q with x
-zeroed). A child chosen deterministically is a point mass (accepted with probability p(x); on rejection p(x)
-<- 0). When every child is rejected (or at a leaf), the token is sampled from the residual p. Each stage is
-an ordinary rejection-sampling step, so the emitted token has exactly the target's distribution.
+Seeded sampling: each output position's token is the Gumbel-max sample with noise fixed by (seed, position)
+(`seeded_choice`); the walk follows the child equal to that sample, exactly as for greedy. Exact, and the same
+tokens whatever the batch, the tree, or whether a drafter ran at all.
+
+Unseeded sampling: recursive rejection sampling (SpecInfer; Sequoia/EAGLE). At a node with target
+distribution p, try its children in drawing order. A child x drawn from q is accepted with probability
+min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)) and, since siblings are drawn without replacement,
+q <- norm(q with x zeroed). A child chosen deterministically is a point mass (accepted with probability p(x);
+on rejection p(x) <- 0). When every child is rejected (or at a leaf), the token is sampled from the residual
+p. Each stage is an ordinary rejection-sampling step, so the emitted token has exactly the target's
+distribution.
 
     p = [.5 .3 .2], one child x ~ q = [.2 .6 .2]: x is accepted and equals y w.p. min(p(y), q(y)) = [.2 .3 .2];
     rejected w.p. .3, then drawn from norm(max(p - q, 0)) = [1 0 0]: P = [.2 + .3, .3, .2] = p exactly.
@@ -20,8 +25,41 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.engine.sampling import SamplingParams, probabilities, seeded_choice
+from orchestrator.spec.sampling import SamplingParams
 from orchestrator.spec.tree import DraftTree
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution [..., vocab] from logits [..., vocab]: temperature, top-k, top-p.
+
+    Example (top_k=2): logits [2., 1., 0.] at T=1 -> probs [0.731, 0.269, 0.].
+    """
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def seeded_choice(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Tokens [n] sampled from probs [n, vocab] by Gumbel-max with noise fixed by (seed, output position):
+    argmax(log p + G) with G ~ Gumbel(0, 1) i.i.d. is an exact sample from p, and since G depends on nothing
+    but the seed and the position, a seeded request gets the same tokens however it is batched, drafted or
+    verified (speculation on or off, any tree, a drafter restart)."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    for i, position in enumerate(positions.tolist()):
+        mixed = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) % 2**63
+        u = torch.rand(probs.shape[-1], generator=torch.Generator().manual_seed(mixed), dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))
+        out[i] = torch.argmax(torch.log(probs[i].double().cpu()) + gumbel)
+    return out
 
 
 @dataclass
@@ -33,7 +71,7 @@ class Verdict:
 
 
 class Verifier:
-    """Greedy or sampling verification, chosen by the request's sampling parameters."""
+    """Greedy, seeded or rejection-sampling verification, chosen by the request's sampling parameters."""
 
     def verify(
         self,
@@ -41,20 +79,20 @@ class Verifier:
         logits: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator | None,
-        position: int | None = None,
+        position: int,
     ) -> Verdict:
-        """logits: [n+1, vocab], target logits at `[root, nodes...]` (row i+1 scores node i's children).
-
-        position: the output index of the token sampled at the root. Given it, a seeded request samples each
-        position by Gumbel-max with noise fixed by (seed, position) (`seeded_choice`) and accepts a draft iff it
-        equals that sample: exact, and reproducible under any batching or tree.
-        """
+        """logits: [n+1, vocab], target logits at `[root, nodes...]` (row i+1 scores node i's children);
+        position: the output index of the token chosen at the root (0 for the first token after the prompt).
+        Raises ValueError when the target's logits are NaN or +inf (one request's problem, not the batch's)."""
+        if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+            raise ValueError("the target's logits are NaN or +inf")
         if params.greedy:
             return self.greedy(tree, logits.argmax(dim=-1))
-        if params.seed is not None and position is not None:
+        probs = probabilities(logits, params)
+        if params.seed is not None:
             positions = position + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
-            return self.greedy(tree, seeded_choice(probabilities(logits, params), params.seed, positions))
-        return self.sample(tree, probabilities(logits, params), generator)
+            return self.greedy(tree, seeded_choice(probs, params.seed, positions))
+        return self.sample(tree, probs, generator)
 
     @staticmethod
     def _children(tree: DraftTree) -> dict[int, list[int]]:
@@ -63,12 +101,12 @@ class Verifier:
             children.setdefault(p, []).append(i)
         return children
 
-    def greedy(self, tree: DraftTree, argmax: torch.Tensor) -> Verdict:
-        """argmax: [n+1] the target's token at `[root, nodes...]` (greedy, or a seeded request's sample)."""
-        children, tokens = self._children(tree), tree.tokens.tolist()
+    def greedy(self, tree: DraftTree, choice: torch.Tensor) -> Verdict:
+        """choice: [n+1] the target's token at `[root, nodes...]` (argmax, or a seeded request's sample)."""
+        children, tokens, choice = self._children(tree), tree.tokens.tolist(), choice.tolist()
         node, accepted = -1, []
         while True:
-            want = int(argmax[node + 1])
+            want = int(choice[node + 1])
             match = next((c for c in children.get(node, ()) if tokens[c] == want), None)
             if match is None:
                 return Verdict(accepted, want)

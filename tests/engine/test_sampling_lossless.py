@@ -1,6 +1,7 @@
-"""Speculative sampling reproduces the target's distribution exactly (chi-square over 20k seeded samples),
-for chains and for trees with several children per node, with and without top-k / top-p. A verifier that
-accepts every draft must fail the same test (the negative control)."""
+"""Speculative sampling reproduces the target's distribution exactly (chi-square over 20k samples), for
+chains and for trees with several children per node, with and without top-k / top-p, both ways a request
+samples: recursive rejection sampling (no seed) and seeded Gumbel-max choices. A verifier that accepts every
+draft must fail the same test (the negative control)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from orchestrator.engine.sampling import SamplingParams, probabilities
-from orchestrator.engine.spec_engine import SpecEngine
+from orchestrator.engine import SpecEngine
 from orchestrator.models import TargetModel
-from orchestrator.spec.proposer import EagleProposer
-from orchestrator.spec.verify import Verdict, Verifier
+from orchestrator.runtime import DraftWorker, TargetWorker
+from orchestrator.spec import EagleProposer, SamplingParams, Verdict, Verifier, probabilities
 from tests.helpers import random_drafter, write_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -53,17 +53,16 @@ def _exact_pair_distribution(target: TargetModel, params: SamplingParams) -> tor
     return torch.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def _sampled_pairs(target, drafter, params, depth, topk, budget, verifier=None) -> torch.Tensor:
-    engine = SpecEngine(
-        target,
-        EagleProposer(drafter, depth, topk, max_requests=500),
-        [],
-        budget=budget,
-        max_batch=500,
-        verifier=verifier,
-    )
+def _sampled_pairs(target, drafter, params, depth, topk, budget, seeded: bool, verifier=None) -> torch.Tensor:
+    """The 2nd and 3rd tokens of SAMPLES requests: seeds 0.. (seeded), or unseeded requests whose random
+    streams come from torch's global generator (seeded here: the test is deterministic)."""
+    target_side = TargetWorker(target, [], 500, verifier=verifier)
+    engine = SpecEngine(target_side, DraftWorker(EagleProposer(drafter, depth, topk, max_requests=500), 500), budget)
     base = params.model_copy(update={"max_tokens": 4, "ignore_eos": True})
-    out = engine.generate([PROMPT] * SAMPLES, [base.model_copy(update={"seed": s}) for s in range(SAMPLES)])
+    torch.manual_seed(0)
+    out = engine.generate(
+        [PROMPT] * SAMPLES, [base.model_copy(update={"seed": s if seeded else None}) for s in range(SAMPLES)]
+    )
     counts = torch.zeros(VOCAB, VOCAB)
     for g in out:
         counts[g.token_ids[1], g.token_ids[2]] += 1
@@ -95,23 +94,39 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_speculative_sampling_matches_the_target(target, drafter, case):
     params, depth, topk, budget = CASES[case]
-    counts = _sampled_pairs(target, drafter, params, depth, topk, budget)
+    counts = _sampled_pairs(target, drafter, params, depth, topk, budget, seeded=False)
+    assert _p_value(counts, _exact_pair_distribution(target, params)) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["chain", "tree-topk-topp"])
+def test_seeded_speculative_sampling_matches_the_target(target, drafter, case):
+    params, depth, topk, budget = CASES[case]
+    counts = _sampled_pairs(target, drafter, params, depth, topk, budget, seeded=True)
     assert _p_value(counts, _exact_pair_distribution(target, params)) > 1e-3
 
 
 class AcceptEverything(Verifier):
-    """A broken verifier: takes the first child at every level, then samples from the target."""
+    """A broken verifier: takes the first child at every level, then the target's token after it."""
 
-    def sample(self, tree, probs, generator):
+    @staticmethod
+    def _first_children(tree) -> tuple[list[int], int]:
         node, accepted = -1, []
         while children := [i for i, p in enumerate(tree.parents.tolist()) if p == node]:
             node = children[0]
             accepted.append(node)
+        return accepted, node
+
+    def greedy(self, tree, choice):
+        accepted, node = self._first_children(tree)
+        return Verdict(accepted, int(choice[node + 1]))
+
+    def sample(self, tree, probs, generator):
+        accepted, node = self._first_children(tree)
         return Verdict(accepted, int(torch.multinomial(probs[node + 1], 1, generator=generator)))
 
 
-@pytest.mark.parametrize("case", ["chain", "tree"])
-def test_broken_verifier_fails_the_same_test(target, drafter, case):
+@pytest.mark.parametrize(("case", "seeded"), [("chain", False), ("tree", False), ("tree", True)])
+def test_broken_verifier_fails_the_same_test(target, drafter, case, seeded):
     params, depth, topk, budget = CASES[case]
-    counts = _sampled_pairs(target, drafter, params, depth, topk, budget, verifier=AcceptEverything())
+    counts = _sampled_pairs(target, drafter, params, depth, topk, budget, seeded, verifier=AcceptEverything())
     assert _p_value(counts, _exact_pair_distribution(target, params)) < 1e-6

@@ -1,5 +1,6 @@
-"""The speculative engine is lossless: greedy output equals target-only greedy decoding (and transformers'
-`generate`) token for token, whatever the proposer, batch size or tree shape."""
+"""The in-process engine (the runtime's workers and scheduler, no Ray) is lossless: greedy output equals
+target-only greedy decoding (and transformers' `generate`) token for token, whatever the proposer, batch size
+or tree shape."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import pytest
 import torch
 
 from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_first_turns
-from orchestrator.engine.decode import TargetDecoder
-from orchestrator.engine.sampling import SamplingParams
-from orchestrator.engine.spec_engine import SpecEngine
+from orchestrator.engine import SpecEngine
 from orchestrator.models import TargetModel
-from orchestrator.spec.proposer import EagleProposer
+from orchestrator.runtime import DraftWorker, TargetWorker
+from orchestrator.spec import EagleProposer, SamplingParams
 from tests.helpers import ReplayProposer, random_drafter
 
 pytestmark = pytest.mark.slow
@@ -32,11 +32,16 @@ def prompts(smollm2_tokenizer):
     return [encode_prompt(smollm2_tokenizer, PromptItem(0, messages=m)) for m in chats]
 
 
+def _engine(target, proposer=None, budget: int = 0, batch: int = 8, eos=(2,), tokenizer=None) -> SpecEngine:
+    draft = DraftWorker(proposer, batch) if proposer is not None else None
+    return SpecEngine(TargetWorker(target, eos, batch), draft, budget, tokenizer)
+
+
 @pytest.fixture(scope="module")
 def reference(target, prompts):
     """Target-only greedy decoding (EOS ignored so every prompt runs the full length)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [g.token_ids for g in TargetDecoder(target, [2], max_batch=8).generate(prompts, params)]
+    return [g.token_ids for g in _engine(target).generate(prompts, params)]
 
 
 def test_target_only_equals_transformers_generate(smollm2_dir, prompts, reference):
@@ -50,31 +55,31 @@ def test_target_only_equals_transformers_generate(smollm2_dir, prompts, referenc
         assert out.tolist() == until_eos
 
 
-def _proposer(kind: str, spec: str, target, reference):
+def _proposer(kind: str, spec: str, target, prompts, reference, batch: int = 8):
     cfg = SPECS[spec]
     if kind == "replay":
-        return ReplayProposer(reference, target.vocab_size, cfg["depth"], width=cfg["topk"], seed=1)
+        references = {"prompts": prompts, "outputs": reference}
+        return ReplayProposer(references, target.vocab_size, cfg["depth"], width=cfg["topk"], seed=1)
     drafter = random_drafter(target.hf_config, "eagle3.1", draft_vocab_size=8192, seed=2)
     drafter.share_embedding(target.embed_tokens)
-    return EagleProposer(drafter, cfg["depth"], cfg["topk"])
+    return EagleProposer(drafter, cfg["depth"], cfg["topk"], max_requests=batch)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("spec", ["chain", "tree"])
 @pytest.mark.parametrize("kind", ["random-drafter", "replay"])
 def test_greedy_speculation_is_exact(target, prompts, reference, kind, spec, batch):
-    proposer = _proposer(kind, spec, target, reference)
-    engine = SpecEngine(target, proposer, [2], budget=SPECS[spec]["budget"], max_batch=batch)
+    proposer = _proposer(kind, spec, target, prompts, reference, batch)
+    engine = _engine(target, proposer, SPECS[spec]["budget"], batch)
     out = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [g.token_ids for g in out] == reference
     if kind == "replay":
         cfg = SPECS[spec]
-        rounds = sum(g.metrics.rounds for g in out)
-        accepted_none = rounds - sum(g.metrics.accepted_per_depth[0] for g in out if g.metrics.accepted_per_depth)
-        deepest = max(len(g.metrics.accepted_per_depth) for g in out)
-        assert accepted_none > 0, "some rounds should accept nothing"
+        total = sum((g.acceptance for g in out[1:]), out[0].acceptance)
+        assert total.drafts > total.accepted_per_pos[0], "some rounds should accept nothing"
+        deepest = len(total.accepted_per_pos)
         assert deepest == min(cfg["depth"], cfg["budget"] // cfg["topk"]), "some rounds should accept a full path"
-        assert sum(g.metrics.acceptance_length for g in out) / len(out) > 1.5
+        assert total.acceptance_length > 1.5
 
 
 def test_stop_conditions_inside_an_accepted_path(target, prompts, reference):
@@ -82,11 +87,12 @@ def test_stop_conditions_inside_an_accepted_path(target, prompts, reference):
     ref = reference[0]
     eos = ref[6]
     cut = ref.index(eos) + 1
-    engine = SpecEngine(target, ReplayProposer([ref], target.vocab_size, depth=8), [eos], budget=8)
+    replay = {"prompts": [prompts[0]], "outputs": [ref]}
+    engine = _engine(target, ReplayProposer(replay, target.vocab_size, depth=8), 8, 1, eos=[eos])
     (g,) = engine.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS))
     assert g.token_ids == ref[:cut] and g.finish_reason == "stop"
 
-    engine = SpecEngine(target, ReplayProposer([ref], target.vocab_size, depth=8), [2], budget=8)
+    engine = _engine(target, ReplayProposer(replay, target.vocab_size, depth=8), 8, 1)
     (g,) = engine.generate([prompts[0]], SamplingParams(max_tokens=5, ignore_eos=True))
     assert g.token_ids == ref[:5] and g.finish_reason == "length"
 
@@ -95,8 +101,8 @@ def test_stop_string_cuts_text(target, prompts, reference, smollm2_tokenizer):
     ref = reference[1]
     full = smollm2_tokenizer.decode(ref)
     stop = full[len(full) // 2 : len(full) // 2 + 4]
-    detok = lambda ids: smollm2_tokenizer.decode(ids)  # noqa: E731
-    engine = SpecEngine(target, ReplayProposer([ref], target.vocab_size, depth=6), [2], budget=6, detokenize=detok)
+    replay = ReplayProposer({"prompts": [prompts[1]], "outputs": [ref]}, target.vocab_size, depth=6)
+    engine = _engine(target, replay, 6, 1, tokenizer=smollm2_tokenizer)
     (g,) = engine.generate([prompts[1]], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True))
     assert g.finish_reason == "stop" and g.text == full[: full.index(stop)]
     assert stop in smollm2_tokenizer.decode(g.token_ids) and stop not in smollm2_tokenizer.decode(g.token_ids[:-1])
@@ -105,7 +111,7 @@ def test_stop_string_cuts_text(target, prompts, reference, smollm2_tokenizer):
 def test_requests_with_different_settings_share_a_batch(target, prompts, reference):
     drafter = random_drafter(target.hf_config, "eagle3", draft_vocab_size=8192, seed=3)
     drafter.share_embedding(target.embed_tokens)
-    engine = SpecEngine(target, EagleProposer(drafter, 3, 2), [2], budget=5, max_batch=4)
+    engine = _engine(target, EagleProposer(drafter, 3, 2, max_requests=4), 5, 4)
     params = [
         SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
         SamplingParams(max_tokens=7, ignore_eos=True),
@@ -115,5 +121,5 @@ def test_requests_with_different_settings_share_a_batch(target, prompts, referen
     out = engine.generate(prompts[:4], params)
     assert out[0].token_ids == reference[0] and out[3].token_ids == reference[3]
     assert out[1].token_ids == reference[1][:7]
-    alone = SpecEngine(target, EagleProposer(drafter, 3, 2), [2], budget=5, max_batch=1)
+    alone = _engine(target, EagleProposer(drafter, 3, 2, max_requests=1), 5, 1)
     assert alone.generate([prompts[2]], params[2])[0].token_ids == out[2].token_ids  # same seed, same tokens

@@ -1,16 +1,13 @@
-"""Serving fixtures: one local Ray + Serve per session (loopback), a tiny random target that speaks SmolLM2's
-tokenizer and chat template, a random drafter for it, and greedy references for chat prompts."""
+"""Serving fixtures: one local Ray + Serve per session (loopback), and the tiny chat target's greedy
+references for chat prompts."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 from pathlib import Path
 
 import pytest
-
-from tests.helpers import random_drafter, write_tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
 QUESTIONS = [
@@ -32,32 +29,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def tiny_chat(smollm2_dir, tmp_path_factory) -> Path:
-    """A random 8-layer Llama with SmolLM2's vocabulary, tokenizer and chat template."""
-    out = write_tiny_llama(
-        tmp_path_factory.mktemp("tiny-chat") / "tiny-chat", vocab_size=49152, max_position_embeddings=1024
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(smollm2_dir / name, out / name)
-    return out
-
-
-@pytest.fixture(scope="session")
-def tiny_drafter(tiny_chat, tmp_path_factory) -> Path:
-    from orchestrator.models.checkpoint import save_drafter
-
-    hf = json.loads((tiny_chat / "config.json").read_text())
-    return save_drafter(random_drafter(hf, draft_vocab_size=2048), tmp_path_factory.mktemp("drafter") / "d")
-
-
-@pytest.fixture(scope="session")
 def references(tiny_chat, tmp_path_factory) -> dict:
     """Chat prompts and the tiny target's greedy continuations (32 tokens, EOS ignored), and the JSON file the
-    oracle proposer reads."""
-    from orchestrator.engine.decode import TargetDecoder
-    from orchestrator.engine.sampling import SamplingParams
-    from orchestrator.models.target import TargetModel
+    replay proposer reads."""
+    from orchestrator.engine import load_engine
     from orchestrator.models.tokenizer import load_tokenizer
+    from orchestrator.spec import SamplingParams
 
     tok = load_tokenizer(tiny_chat)
     messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
@@ -65,8 +42,7 @@ def references(tiny_chat, tmp_path_factory) -> dict:
         list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         for m in messages
     ]
-    model = TargetModel.from_pretrained(tiny_chat)
-    outs = TargetDecoder(model, [], max_batch=8).generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+    outs = load_engine(tiny_chat, max_batch=8).generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     data = {"prompts": prompts, "outputs": [g.token_ids for g in outs]}
     path = tmp_path_factory.mktemp("refs") / "references.json"
     path.write_text(json.dumps(data))

@@ -153,7 +153,7 @@ def test_a_random_drafter_is_rolled_back_by_the_acceptance_gate(serve_session, t
     # Stable: drafts right to a random depth (acceptance ~2.5); candidate: a drafter with random weights (~1).
     args = app_args(
         tiny_chat,
-        proposer_factory="tests.serving.oracle:OracleProposer",
+        proposer_factory="tests.helpers:ReplayProposer",
         proposer_args={"references": references["path"], "depth": 4},
         spec={"method": "chain", "num_spec_tokens": 4},
         scheduler={"adaptive": False},

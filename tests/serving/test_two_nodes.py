@@ -103,7 +103,7 @@ def test_draft_worker_on_the_draft_node(tiny_chat, tiny_drafter, references, tmp
             r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
         stats = httpx.get(f"{url}/stats").json()
-        assert stats["drafted"] > 0 and stats["pairs_bytes"] > 0
+        assert stats["acceptance"]["draft_tokens"] > 0 and stats["pairs_bytes"] > 0
     finally:
         if server is not None:
             server.terminate()

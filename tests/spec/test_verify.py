@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.engine.sampling import SamplingParams
+from orchestrator.spec.sampling import SamplingParams
 from orchestrator.spec.tree import DraftTree
-from orchestrator.spec.verify import Verifier
+from orchestrator.spec.verify import Verifier, probabilities, seeded_choice
 
 V = 8
 
@@ -36,7 +36,7 @@ TREE = DraftTree(torch.tensor([3, 4, 5, 6, 2]), torch.tensor([-1, -1, 1, 1, 3]))
     ids=["all-accepted", "first-rejected", "third-rejected", "deep-second-branch", "branch-then-miss", "empty"],
 )
 def test_greedy_table(tree, argmax, accepted, next_token):
-    verdict = GREEDY.verify(tree, _argmax_rows(*argmax), SamplingParams(), None)
+    verdict = GREEDY.verify(tree, _argmax_rows(*argmax), SamplingParams(), None, 0)
     assert (verdict.accepted, verdict.next_token) == (accepted, next_token)
 
 
@@ -45,7 +45,7 @@ def test_sampling_accepts_certain_drafts_and_samples_the_bonus():
     tree = DraftTree.chain([3, 4], {-1: torch.full((V,), 1 / V), 0: torch.full((V,), 1 / V)})
     logits = torch.full((3, V), -1e9)
     logits[0, 3] = logits[1, 4] = logits[2, 6] = 0.0
-    verdict = GREEDY.verify(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    verdict = GREEDY.verify(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), 0)
     assert (verdict.accepted, verdict.next_token) == ([0, 1], 6)
 
 
@@ -57,7 +57,7 @@ def test_sampling_rejects_impossible_drafts_and_uses_the_residual():
     p_logits[0, 5] = 0.0
     tree = DraftTree.chain([3], {-1: q})
     for seed in range(20):
-        verdict = GREEDY.verify(tree, p_logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed))
+        verdict = GREEDY.verify(tree, p_logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed), 0)
         assert (verdict.accepted, verdict.next_token) == ([], 5)
 
 
@@ -67,7 +67,7 @@ def test_sampling_point_mass_siblings_are_tried_in_order():
     logits = torch.full((3, V), -1e9)
     logits[0, 4] = 0.0
     logits[2, 1] = 0.0
-    verdict = GREEDY.verify(tree, logits, SamplingParams(temperature=0.7), torch.Generator().manual_seed(1))
+    verdict = GREEDY.verify(tree, logits, SamplingParams(temperature=0.7), torch.Generator().manual_seed(1), 0)
     assert (verdict.accepted, verdict.next_token) == ([1], 1)
 
 
@@ -76,7 +76,7 @@ def test_top_k_restricts_the_target_distribution():
     tree = DraftTree.empty()
     seen = {
         GREEDY.verify(
-            tree, logits, SamplingParams(temperature=1.0, top_k=2), torch.Generator().manual_seed(s)
+            tree, logits, SamplingParams(temperature=1.0, top_k=2), torch.Generator().manual_seed(s), 0
         ).next_token
         for s in range(200)
     }
@@ -88,8 +88,6 @@ P_FIVE = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
 
 def _seeded_counts(noise_seed) -> torch.Tensor:
     """How often each token is chosen at output position 3 over 4000 request seeds."""
-    from orchestrator.engine.sampling import seeded_choice
-
     counts = torch.zeros(5)
     for seed in range(4000):
         counts[int(seeded_choice(P_FIVE[None], noise_seed(seed), torch.tensor([3]))[0])] += 1
@@ -112,10 +110,18 @@ def test_seeded_verification_emits_the_same_tokens_for_any_tree():
     params = SamplingParams(temperature=1.0, seed=11)
     plain = Verifier().verify(DraftTree.empty(), logits[:1], params, None, position=5)
     assert plain.accepted == []
-    from orchestrator.engine.sampling import probabilities, seeded_choice
-
     choice = seeded_choice(probabilities(logits, params), 11, torch.tensor([5, 6, 7, 8]))
     assert plain.next_token == int(choice[0])
     chain = DraftTree.chain([int(choice[0]), int(choice[1]), (int(choice[2]) + 1) % V])
     verdict = Verifier().verify(chain, logits, params, None, position=5)
     assert verdict.accepted == [0, 1] and verdict.next_token == int(choice[2])
+
+
+def test_nan_logits_are_the_requests_error():
+    logits = torch.zeros(1, V)
+    logits[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        Verifier().verify(DraftTree.empty(), logits, SamplingParams(), None, 0)
+    masked = torch.zeros(1, V)
+    masked[0, 1:] = float("-inf")  # -inf is a mask, not an error
+    assert Verifier().verify(DraftTree.empty(), masked, SamplingParams(temperature=1.0), None, 0).next_token == 0

@@ -21,6 +21,8 @@ from typing import Literal
 from pydantic import Field
 
 from orchestrator.config import StrictModel
+from orchestrator.serving.launch import backend_of, read_serve_config
+from orchestrator.spec.acceptance import Acceptance
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +139,20 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: 
 
 
 def scheduler_delta(before: dict, after: dict) -> dict:
-    """What the scheduler did between two /stats snapshots."""
+    """What the scheduler did between two /stats snapshots. Acceptance length has vLLM's meaning (drafted
+    request-steps only), as for the vLLM backend; `drafted_share` says how many request-steps drafted."""
     d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float)) and k in before}
     rounds = max(1, d.get("rounds", 0))
+    acceptance = Acceptance.from_dict(after["acceptance"]) - Acceptance.from_dict(before["acceptance"])
     out = {
         "rounds": d.get("rounds", 0),
         "spec_round_share": d.get("spec_rounds", 0) / rounds,
         "mean_batch": d.get("batch", 0) / rounds,
         "budget_use": d.get("verified_tokens", 0) / max(1, d.get("budget_tokens", 0)),
         "verified_tokens_per_round": d.get("verified_tokens", 0) / rounds,
-        "tokens_per_request_round": 1 + d.get("accepted", 0) / max(1, d.get("batch", 0)),
-        "acceptance_rate": d.get("accepted", 0) / max(1, d.get("drafted", 0)),
+        "acceptance_length": acceptance.acceptance_length,
+        "drafted_share": acceptance.drafts / max(1, d.get("batch", 0)),
+        "acceptance_rate": acceptance.accepted / max(1, acceptance.draft_tokens),
         "bytes_per_round": d.get("pairs_bytes", 0) / rounds,
     }
     for side in ("draft", "verify"):
@@ -215,24 +220,23 @@ def busy_overlap(spans: list[dict]) -> float:
 
 
 def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: int) -> dict:
-    """The engine issue's in-process SpecEngine at concurrency 1 on the same prompts: tokens/s and ms per
-    round (the reference for the disaggregated path's per-round overhead)."""
-    from orchestrator.engine.sampling import SamplingParams
-    from orchestrator.engine.spec_engine import SpecConfig, load_spec_engine
+    """The in-process engine at concurrency 1 on the same prompts: tokens/s and ms per round (the reference
+    for the disaggregated path's per-round overhead)."""
+    from orchestrator.engine import load_engine
     from orchestrator.models.prepare import resolve_model
-    from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+    from orchestrator.spec.proposer import SpecConfig
+    from orchestrator.spec.sampling import SamplingParams
     from orchestrator.tracking.store import fetch_drafter
 
     model_dir = resolve_model(app_args["model"], app_args.get("models_dir", "models"))
-    tok = load_tokenizer(model_dir)
     spec = SpecConfig.model_validate(app_args.get("spec", {}))
-    engine = load_spec_engine(model_dir, fetch_drafter(app_args["drafter"]), spec, eos_token_ids(model_dir, tok), 1)
+    engine = load_engine(model_dir, fetch_drafter(app_args["drafter"]), spec, max_batch=1)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.generate([prompts[0]], params)  # warm-up
     began, rounds, tokens = time.perf_counter(), 0, 0
     for p in prompts:
         g = engine.generate([p], params)[0]
-        rounds += g.metrics.rounds
+        rounds += g.acceptance.drafts
         tokens += len(g.token_ids)
     wall = time.perf_counter() - began
     return {
@@ -271,7 +275,6 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     from ray import serve
 
     from orchestrator.jobrunner import init_ray
-    from orchestrator.serving.launch import read_serve_config
 
     _, app = read_serve_config(cfg.app, cfg.app_overrides)
     args = app["args"]
@@ -308,7 +311,6 @@ def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, res
     from ray import serve
 
     from orchestrator.serving.app import _import
-    from orchestrator.serving.launch import backend_of
 
     vllm = backend_of(app["import_path"]) == "vllm"
     name = f"bench-{label}{mode}"
@@ -351,18 +353,14 @@ def _counters(url: str, app: str, vllm: bool):
     return vllm_counters(app) if vllm else httpx.get(f"{url}/stats", timeout=60).json()
 
 
-def vllm_delta(before: tuple[float, float], after: tuple[float, float]) -> dict:
-    """vLLM's speculation between two counter snapshots (acceptance length = tokens per request-step)."""
-    from orchestrator.serving.rollout import acceptance_length
-
-    length, drafts = acceptance_length(before, after)
-    return {"tokens_per_request_round": length, "drafts": drafts}
+def vllm_delta(before: Acceptance, after: Acceptance) -> dict:
+    """vLLM's speculation between two counter snapshots."""
+    return {"acceptance_length": (after - before).acceptance_length, "drafts": (after - before).drafts}
 
 
 def format_table(result: dict) -> str:
     lines = [
-        "| mode | users | per-user tok/s | total tok/s | TTFT p50/p99 s | ITL p50/p99 ms | tok/round | budget use "
-        "| failed |",
+        "| mode | users | per-user tok/s | total tok/s | TTFT p50/p99 s | ITL p50/p99 ms | tau | budget use | failed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, levels in result["modes"].items():
@@ -373,7 +371,7 @@ def format_table(result: dict) -> str:
                 f"| {mode} | {c} | {r['per_user_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
                 f"{r['ttft_p50_s'] or 0:.2f}/{r['ttft_p99_s'] or 0:.2f} | "
                 f"{1e3 * (r['itl_p50_s'] or 0):.0f}/{1e3 * (r['itl_p99_s'] or 0):.0f} | "
-                f"{s['tokens_per_request_round']:.2f} | {use} | {r['failed']} |"
+                f"{s['acceptance_length']:.2f} | {use} | {r['failed']} |"
             )
     for key, backend in (("speedup", "disaggregated"), ("vllm_speedup", "vLLM")):
         if key in result:

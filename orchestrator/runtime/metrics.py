@@ -13,6 +13,8 @@ every metric is tagged with the application's `model`). Grafana panels read thes
 | aerie_draft_latency_s | histogram | one draft call, as the scheduler waits for it |
 | aerie_verify_latency_s | histogram | one verify call, as the scheduler waits for it |
 | aerie_queue_depth | gauge | requests waiting for a KV slot |
+| aerie_kv_slots_free | gauge, tag `worker` | KV slots free on the `target` / `draft` worker (as it last reported) |
+| aerie_kv_slots_used | gauge, tag `worker` | KV slots in use on the `target` / `draft` worker |
 | aerie_running_requests | gauge | requests being decoded |
 | aerie_ttft_s | histogram | submit -> first token |
 | aerie_itl_s | histogram | time between tokens of one request (a round's gap split over its tokens) |
@@ -33,7 +35,6 @@ class ServingMetrics:
         from ray.util.metrics import Counter, Gauge, Histogram
 
         tags = {"model": model}
-        self._tags = tags
 
         def hist(name, desc, bounds):
             h = Histogram(name, desc, boundaries=bounds, tag_keys=("model",))
@@ -45,8 +46,8 @@ class ServingMetrics:
             c.set_default_tags(tags)
             return c
 
-        def gauge(name, desc):
-            g = Gauge(name, desc, tag_keys=("model",))
+        def gauge(name, desc, keys=()):
+            g = Gauge(name, desc, tag_keys=("model", *keys))
             g.set_default_tags(tags)
             return g
 
@@ -61,9 +62,16 @@ class ServingMetrics:
         self.verify_latency = hist("aerie_verify_latency_s", "verify call latency", LATENCY_BOUNDS)
         self.queue_depth = gauge("aerie_queue_depth", "requests waiting")
         self.running = gauge("aerie_running_requests", "requests decoding")
+        self.slots_free = gauge("aerie_kv_slots_free", "free KV slots", ("worker",))
+        self.slots_used = gauge("aerie_kv_slots_used", "KV slots in use", ("worker",))
         self.ttft = hist("aerie_ttft_s", "time to first token", LATENCY_BOUNDS)
         self.itl = hist("aerie_itl_s", "inter-token latency", LATENCY_BOUNDS)
         self.errors = counter("aerie_errors_total", "errors", ("kind",))
+
+    def slots(self, free: dict[str, int], total: int) -> None:
+        for worker, n in free.items():
+            self.slots_free.set(n, {"worker": worker})
+            self.slots_used.set(total - n, {"worker": worker})
 
     def round(self, batch: int, verified: int, budget: int, drafted: list[int], accepted: list[int]) -> None:
         self.batch_size.observe(batch)

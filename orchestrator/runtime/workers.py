@@ -1,0 +1,350 @@
+"""The two sides of speculative decoding, each implemented once. The in-process engine calls them directly
+(`LocalWorker`); disaggregated serving runs each as a Ray actor on its own node group (GB200: target nodes
+and draft nodes, `RemoteWorker`). The `SpecScheduler` drives both the same way:
+
+    SpecScheduler ──prefill(new) / verify(keep, trees)──> TargetWorker  (target model, KV caches, verification)
+          │ <──────── RoundOutput (token ids, finish, slots) + Pairs ──┘
+          └──propose(requests, [Pairs, ...])──> DraftWorker                 (drafter, its KV caches)
+                <── DraftOutput (tree sketches) + trees ──┘
+
+Between calls the target's cache holds every token of a request except the last emitted one (the root of
+the next tree). The target keeps every request's committed pairs, so a restarted draft worker (or one that
+skipped rounds) is brought up to date (`history`) and speculation resumes mid-request.
+
+Failures stay with their request: a request the target cannot serve (a prompt past the context, a
+distribution that is not finite, an id it no longer holds) gets an error update, and nothing of it is kept;
+the other requests of the call go on. Everything a request allocates is checked for first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from orchestrator.models.target import TargetModel
+from orchestrator.runtime.messages import DraftOutput, NewSequence, Pairs, RoundOutput, SeqUpdate, TreeSketch
+from orchestrator.spec.proposer import ProposeItem, Proposer
+from orchestrator.spec.sampling import SamplingParams, new_generator
+from orchestrator.spec.tree import DraftTree, pack_trees
+from orchestrator.spec.verify import Verifier
+
+log = logging.getLogger(__name__)
+
+
+def finish_reason(token: int, length: int, params: SamplingParams, eos_ids: frozenset[int]) -> str | None:
+    """The one EOS / length rule: "stop" on EOS (unless ignore_eos), "length" at max_tokens, else None."""
+    if token in eos_ids and not params.ignore_eos:
+        return "stop"
+    return "length" if length >= params.max_tokens else None
+
+
+@dataclass
+class _Seq:
+    slot: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    length: int = 0  # tokens emitted
+    root: int = -1  # last emitted token (not yet in the cache)
+    history: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # committed pairs
+
+
+def _identity() -> dict:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    return {"node_id": node, "pid": os.getpid(), "threads": torch.get_num_threads()}
+
+
+class TargetWorker:
+    """The target model, the KV caches of up to `max_batch` requests, and lossless verification."""
+
+    def __init__(
+        self,
+        model: TargetModel | str | Path,
+        eos_token_ids: Sequence[int],
+        max_batch: int = 16,
+        aux_layer_ids: Sequence[int] | None = None,
+        torch_threads: int | None = None,
+        verifier: Verifier | None = None,
+    ) -> None:
+        """model: a loaded TargetModel (in-process) or its directory (a Ray actor loads it on its node)."""
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        if isinstance(model, str | Path):
+            model = TargetModel.from_pretrained(model, aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else None)
+        self.model = model
+        self.max_batch = max_batch
+        self.cache = model.new_cache(max_batch)
+        self.context = self.cache.max_tokens
+        self.width = model.hidden_size * len(model.aux_layer_ids)
+        self.eos_ids = frozenset(eos_token_ids)
+        self.verifier = verifier or Verifier()
+        self.seqs: dict[str, _Seq] = {}
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+
+    def ready(self) -> dict:
+        return _identity() | {
+            "free_slots": self.cache.free_slots,
+            "max_batch": self.max_batch,
+            "context": self.context,
+            "incarnation": self.incarnation,
+        }
+
+    def _check(self, s: NewSequence) -> str | None:
+        """Why the target cannot take this request (None: it can)."""
+        n = len(s.prompt_ids)
+        if n == 0:
+            return "empty prompt"
+        if n + s.params.max_tokens > self.context:
+            return (
+                f"prompt of {n} tokens + max_tokens {s.params.max_tokens} exceeds the context window of {self.context}"
+            )
+        if not all(0 <= t < self.model.vocab_size for t in s.prompt_ids):
+            return f"prompt token ids must be in 0..{self.model.vocab_size - 1}"
+        return None
+
+    @torch.inference_mode()
+    def prefill(self, new: list[NewSequence]) -> tuple[RoundOutput, Pairs]:
+        """Prefill prompts (one packed forward) and choose each first token (output position 0)."""
+        began, stamp = time.perf_counter(), time.time()
+        updates, admitted = [], []
+        for s in new:
+            self.release([s.request_id])  # a retried prefill starts over
+            try:  # everything that can fail before anything is allocated
+                error, generator = self._check(s), new_generator(s.params)
+            except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
+                error = f"bad sampling parameters: {err}"
+            if error is not None:
+                updates.append(SeqUpdate(s.request_id, error=error, status=400))
+            elif not self.cache.free_slots:
+                updates.append(SeqUpdate(s.request_id, error="no free KV slot on the target", status=503, retry=True))
+            else:
+                self.seqs[s.request_id] = _Seq(self.cache.allocate(), s.params, generator)
+                admitted.append(s)
+        parts, tokens = {}, sum(len(s.prompt_ids) for s in admitted)
+        if admitted:
+            seqs = [self.seqs[s.request_id] for s in admitted]
+            try:
+                out = self.model(
+                    torch.tensor([t for s in admitted for t in s.prompt_ids]),
+                    self.cache,
+                    torch.tensor([q.slot for q in seqs]),
+                    torch.tensor([len(s.prompt_ids) for s in admitted]),
+                    logits="last",
+                )
+            except BaseException:
+                self.release([s.request_id for s in admitted])
+                raise
+            offset = 0
+            for row, (s, q) in enumerate(zip(admitted, seqs, strict=True)):
+                aux = out.aux_hidden[offset : offset + len(s.prompt_ids)]
+                offset += len(s.prompt_ids)
+                try:
+                    token = self.verifier.verify(DraftTree.empty(), out.logits[row : row + 1], q.params, q.generator, 0)
+                    pair = (torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.clone())
+                    updates.append(self._emit(s.request_id, q, [token.next_token], pair, parts))
+                except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
+                    updates.append(self._fail(s.request_id, err))
+        return self._output(updates, tokens, began, stamp, parts)
+
+    @torch.inference_mode()
+    def verify(self, keep: dict[str, list[int]], trees: dict[str, DraftTree] | None) -> tuple[RoundOutput, Pairs]:
+        """One target forward over `[root_a, tree_a... | root_b, tree_b... | ...]` for the requests in `keep`
+        (each tree cut to its `keep` nodes; no tree: a target-only step), then accept and compact."""
+        began, stamp = time.perf_counter(), time.time()
+        updates = [
+            SeqUpdate(r, error="the target no longer holds this request (the target restarted)", status=503)
+            for r in keep
+            if r not in self.seqs
+        ]
+        ids = [r for r in keep if r in self.seqs]
+        seqs = [self.seqs[r] for r in ids]
+        chosen = [self._tree(r, q, keep[r], trees) for r, q in zip(ids, seqs, strict=True)]
+        parts, verified = {}, sum(1 + t.size for t in chosen)
+        if ids:
+            slots = torch.tensor([q.slot for q in seqs])
+            tokens, positions, num, block_mask = pack_trees([q.root for q in seqs], chosen, self.cache.lengths[slots])
+            try:
+                out = self.model(tokens, self.cache, slots, num, positions=positions, block_mask=block_mask)
+            except BaseException:
+                self.release(ids)
+                raise
+            offset = 0
+            for rid, q, tree in zip(ids, seqs, chosen, strict=True):
+                rows = slice(offset, offset + 1 + tree.size)
+                offset += 1 + tree.size
+                try:
+                    verdict = self.verifier.verify(tree, out.logits[rows], q.params, q.generator, q.length)
+                    kept = torch.tensor([0] + [1 + i for i in verdict.accepted])
+                    self.cache.keep_appended(q.slot, kept)
+                    emitted = [int(tree.tokens[i]) for i in verdict.accepted] + [verdict.next_token]
+                    update = self._emit(
+                        rid, q, emitted, (torch.tensor(emitted), out.aux_hidden[rows][kept].clone()), parts
+                    )
+                    update.drafted, update.accepted = tree.size, len(verdict.accepted)
+                except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
+                    update = self._fail(rid, err)
+                updates.append(update)
+        return self._output(updates, verified, began, stamp, parts)
+
+    def _tree(self, rid: str, q: _Seq, keep: list[int], trees: dict[str, DraftTree] | None) -> DraftTree:
+        """The request's tree cut to `keep`, and to what its cache still has room for (drafts are optional: a
+        tree that does not fit its request is dropped, the round goes on target-only for it)."""
+        tree = (trees or {}).get(rid)
+        if tree is None or not keep:
+            return DraftTree.empty()
+        try:
+            tree = tree.subtree(keep)
+        except (AssertionError, IndexError, KeyError) as err:
+            log.warning("request %s: draft tree unusable (%s); verifying without it", rid, err)
+            return DraftTree.empty()
+        room = self.context - int(self.cache.lengths[q.slot]) - 1
+        return tree if tree.size <= room else tree.subtree(list(range(max(0, room))))  # prefixes stay closed
+
+    def _emit(self, rid: str, q: _Seq, tokens: list[int], pair: tuple, parts: dict) -> SeqUpdate:
+        """Append tokens up to EOS / max_tokens; a finished request frees its slot."""
+        out, reason = [], None
+        for token in tokens:
+            out.append(token)
+            q.length += 1
+            reason = finish_reason(token, q.length, q.params, self.eos_ids)
+            if reason is not None:
+                break
+        q.root = out[-1]
+        if reason is None:
+            q.history.append(pair)
+            parts[rid] = pair
+        else:
+            self.release([rid])
+        return SeqUpdate(rid, out, reason)
+
+    def _fail(self, rid: str, err: Exception) -> SeqUpdate:
+        log.exception("request %s failed in the target worker", rid, exc_info=err)
+        self.release([rid])
+        return SeqUpdate(rid, error=f"{type(err).__name__}: {err}")
+
+    def _output(self, updates, tokens: int, began: float, stamp: float, parts: dict) -> tuple[RoundOutput, Pairs]:
+        pairs = Pairs.pack(parts, self.width)
+        took = time.perf_counter() - began
+        out = RoundOutput(updates, tokens, took, stamp, pairs.nbytes, self.cache.free_slots, self.incarnation)
+        return out, pairs
+
+    def history(self, request_ids: list[str], since: dict[str, int] | None = None) -> tuple[int, Pairs]:
+        """The committed pairs of these requests from pair `since[r]` on (default: all of them), to bring a
+        draft worker up to date. Returns (bytes, pairs)."""
+        parts = {}
+        for r in request_ids:
+            q = self.seqs.get(r)
+            start = (since or {}).get(r, 0)
+            if q is None or not q.history:
+                continue
+            tokens, aux = torch.cat([p[0] for p in q.history]), torch.cat([p[1] for p in q.history])
+            if tokens.numel() > start:
+                parts[r] = (tokens[start:], aux[start:])
+        pairs = Pairs.pack(parts, self.width)
+        return pairs.nbytes, pairs
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget these requests (unknown ids are ignored: a release may cross the request's own end)."""
+        for r in request_ids:
+            q = self.seqs.pop(r, None)
+            if q is not None:
+                self.cache.release(q.slot)
+
+
+class DraftWorker:
+    """A proposer (the EAGLE drafter, or a test's) and the requests it drafts for; turns target states into
+    draft trees."""
+
+    def __init__(
+        self, proposer: Proposer | Callable[[], Proposer], max_requests: int = 16, torch_threads: int | None = None
+    ) -> None:
+        """proposer: the proposer (in-process) or a factory that builds it (a Ray actor builds it on its node)."""
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.proposer = proposer if hasattr(proposer, "propose") else proposer()
+        self.max_requests = max_requests
+        self.max_context: int | None = getattr(self.proposer, "max_context", None)
+        self.depth: int = getattr(self.proposer, "depth", 0)
+        self.generators: dict[str, torch.Generator | None] = {}  # the requests drafted for
+        self.seen: dict[str, int] = {}  # pairs committed per request
+        self.retired: dict[str, None] = {}  # past the drafter's context: never drafted again
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_requests - len(self.generators)
+
+    def ready(self) -> dict:
+        return _identity() | {
+            "free_slots": self.free_slots,
+            "max_requests": self.max_requests,
+            "max_context": self.max_context,
+            "incarnation": self.incarnation,
+        }
+
+    @torch.inference_mode()
+    def propose(
+        self, requests: list[tuple[str, SamplingParams, int]], pairs: list, reset: Sequence[str] = ()
+    ) -> tuple[DraftOutput, dict[str, DraftTree]]:
+        """requests: (request_id, params, most nodes); pairs: `Pairs` (or Ray refs to them) not yet drafted
+        from, oldest first; reset: requests whose pairs are their whole history again (forget them first).
+        Pairs of requests not drafted now (ended meanwhile) are dropped."""
+        began, stamp = time.perf_counter(), time.time()
+        self.release(list(reset))
+        if any(not isinstance(p, Pairs) for p in pairs):
+            import ray
+
+            pairs = [p if isinstance(p, Pairs) else ray.get(p) for p in pairs]
+        new: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p in pairs:
+            for rid, pair in p.split().items():
+                new.setdefault(rid, []).append(pair)
+        items, retired = [], []
+        for rid, params, budget in requests:
+            got = new.get(rid)
+            if not got or rid in self.retired:
+                continue
+            count = sum(g[0].numel() for g in got)
+            if self.max_context is not None and self.seen.get(rid, 0) + count + self.depth > self.max_context:
+                self.release([rid])
+                self.retired[rid] = None
+                retired.append(rid)
+                continue
+            if rid not in self.generators:
+                if not self.free_slots:
+                    continue  # more requests than slots: this one goes undrafted
+                self.generators[rid] = new_generator(params, stream=1)  # never the target's stream
+            self.seen[rid] = self.seen.get(rid, 0) + count
+            tokens, aux = torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+            items.append(ProposeItem(rid, tokens, aux, params, self.generators[rid], budget))
+        trees = dict(zip([i.request_id for i in items], self.proposer.propose(items), strict=True)) if items else {}
+        sketches = {
+            rid: TreeSketch(t.parents, t.scores if t.scores is not None else torch.zeros(t.size))
+            for rid, t in trees.items()
+        }
+        out = DraftOutput(
+            sketches,
+            time.perf_counter() - began,
+            stamp,
+            sum(p.nbytes for p in pairs),
+            self.incarnation,
+            {rid: self.seen[rid] for rid in trees},
+            retired,
+            self.free_slots,
+        )
+        return out, trees
+
+    def release(self, request_ids: list[str]) -> None:
+        for r in request_ids:
+            self.retired.pop(r, None)
+            if r in self.generators:
+                del self.generators[r]
+                self.seen.pop(r, None)
+                self.proposer.release(r)

@@ -1,0 +1,200 @@
+"""Fast stand-ins for the scheduler's tests: the real TargetWorker and DraftWorker run in this process over a
+table model and a table proposer, called through a client that injects faults and reorders the event loop.
+
+`TableModel` replaces TargetModel: its next-token distribution at a position is a fixed function of (the
+previous token, the token, its rope position), and it reads the previous token from what is really in its
+KV cache, so every cache operation the worker does (append, keep_appended, release) shows in the output.
+`reference()` decodes a prompt without any of the machinery, the oracle of every greedy and seeded check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+from orchestrator.models.kv_cache import KVCache
+from orchestrator.runtime.clients import WorkerFailed, WorkerLost
+from orchestrator.spec.sampling import SamplingParams
+from orchestrator.spec.tree import DraftTree
+from orchestrator.spec.verify import probabilities, seeded_choice
+
+VOCAB = 24
+POISON = VOCAB - 1  # a prompt token whose next-token distribution is NaN: that request fails in the worker
+
+
+def _mix(*xs: int) -> int:
+    h = 0x2545F491
+    for x in xs:
+        h = (h * 6364136223846793005 + x * 1442695040888963407 + 1) % 2**63
+    return h >> 17
+
+
+def table_logits(prev: int, token: int, position: int) -> torch.Tensor:
+    """[VOCAB] logits: a favourite, a runner-up, the rest unlikely, the poison token never; NaN after it."""
+    if POISON in (prev, token):
+        return torch.full((VOCAB,), math.nan)
+    h = _mix(prev, token, position)
+    first = h % (VOCAB - 1)
+    second = (first + 1 + (h >> 8) % (VOCAB - 2)) % (VOCAB - 1)
+    logits = torch.full((VOCAB,), -2.0)
+    logits[POISON] = -math.inf
+    logits[second], logits[first] = 1.0, 2.5
+    return logits
+
+
+class TableModel:
+    """A TargetModel stand-in (see the module docstring)."""
+
+    vocab_size, hidden_size, aux_layer_ids = VOCAB, 2, (1,)
+
+    def __init__(self, context: int = 64) -> None:
+        self.cfg = SimpleNamespace(max_position_embeddings=context)
+
+    def new_cache(self, num_slots: int, max_tokens: int | None = None) -> KVCache:
+        return KVCache(1, 1, 1, num_slots, max_tokens or self.cfg.max_position_embeddings, initial_tokens=8)
+
+    def __call__(self, token_ids, cache, slots, num_tokens, positions=None, block_mask=None, logits="all"):
+        cache.reserve(slots, num_tokens)
+        rows, offset = [], 0
+        for b, (slot, n) in enumerate(zip(slots.tolist(), num_tokens.tolist(), strict=True)):
+            start = int(cache.lengths[slot])
+            tokens = token_ids[offset : offset + n].tolist()
+            cache.keys[0][slot, 0, start : start + n, 0] = torch.tensor(tokens, dtype=torch.float32)
+            for i in range(n):
+                visible = range(i) if block_mask is None else [k for k in range(i) if block_mask[b, i, k]]
+                parent = max(visible, default=-1)  # a tree node's parent is its nearest visible row
+                prev = tokens[parent] if parent >= 0 else int(cache.keys[0][slot, 0, start - 1, 0]) if start else -1
+                position = int(positions[offset + i]) if positions is not None else start + i
+                rows.append(table_logits(prev, tokens[i], position))
+            offset += n
+        cache.advance(slots, num_tokens)
+        out = torch.stack(rows)
+        if logits == "last":
+            out = out[torch.cumsum(num_tokens, 0) - 1]
+        return SimpleNamespace(logits=out, aux_hidden=torch.zeros(len(rows), 2))
+
+
+def reference(prompt: list[int], params: SamplingParams, eos: frozenset[int] = frozenset()) -> list[int]:
+    """Greedy or seeded decoding of the table model, one token at a time, no cache, no drafts."""
+    seq, out = list(prompt), []
+    while True:
+        logits = table_logits(seq[-2] if len(seq) > 1 else -1, seq[-1], len(seq) - 1)
+        if params.greedy:
+            token = int(logits.argmax())
+        else:
+            token = int(seeded_choice(probabilities(logits[None], params), params.seed, torch.tensor([len(out)]))[0])
+        out.append(token)
+        seq.append(token)
+        if (token in eos and not params.ignore_eos) or len(out) >= params.max_tokens:
+            return out
+
+
+class TableProposer:
+    """Drafts the table model's greedy continuation, corrupted at a random depth, `width` siblings per level:
+    rounds accept anything from nothing to the whole tree. Holds `max_requests` requests (an error beyond)."""
+
+    def __init__(self, depth: int = 3, width: int = 2, seed: int = 0, max_requests: int = 16, max_context=None):
+        self.depth, self.width, self.max_requests = depth, width, max_requests
+        self.max_context = max_context
+        self.rng = random.Random(seed)
+        self.seqs: dict[str, list[int]] = {}  # the pair tokens seen per request: x1, x2, ...
+
+    def release(self, request_id: str) -> None:
+        self.seqs.pop(request_id, None)
+
+    def propose(self, items) -> list[DraftTree]:
+        trees = []
+        for item in items:
+            if item.request_id not in self.seqs and len(self.seqs) >= self.max_requests:
+                raise RuntimeError("TableProposer: no free slot")
+            seq = self.seqs.setdefault(item.request_id, [])
+            seq += item.tokens.tolist()
+            trees.append(self._tree(seq, item.budget))
+        return trees
+
+    def _tree(self, seq: list[int], budget: int) -> DraftTree:
+        prev, token, position = (seq[-2] if len(seq) > 1 else -1), seq[-1], len(seq)
+        cut = self.rng.randrange(self.depth + 2)  # the true path survives `cut` levels
+        tokens, parents, scores, parent = [], [], [], -1
+        for level in range(min(self.depth, budget)):
+            true = int(table_logits(prev, token, position + level).argmax())
+            drawn = true if level < cut else (true + 1) % (VOCAB - 1)  # wrong, but never the poison token
+            siblings = list(dict.fromkeys([drawn, *[(true + 2 + i) % (VOCAB - 1) for i in range(self.width - 1)]]))
+            if len(tokens) + len(siblings) > budget:
+                break
+            start = len(tokens)
+            for i, t in enumerate(siblings):
+                tokens.append(t)
+                parents.append(parent)
+                scores.append((level + 1) * math.log(0.7) + i * math.log(0.3))
+            parent, prev, token = start, token, drawn
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return DraftTree(as_long(tokens), as_long(parents), {}, torch.tensor(scores))
+
+
+class FaultyWorker:
+    """A worker in this process behind the scheduler's client interface, with faults on demand.
+
+    plan(method) -> None or one of
+      "die":     the worker dies now (a fresh one replaces it: its state is gone) and the call fails (WorkerLost)
+      "restart": the worker restarted silently before this call (fresh state; the call succeeds)
+      "raise":   the call fails without running (WorkerFailed)
+      "late":    the call runs but its answer never arrives (WorkerLost, as a timeout)
+    Each call suspends before its answer arrives (as a Ray call does), with `rng` a random number of times
+    (other tasks run meanwhile).
+    """
+
+    def __init__(self, make: Callable[[], object], plan=None, rng: random.Random | None = None, tick=None):
+        self.make, self.plan, self.rng, self.tick = make, plan or (lambda method: None), rng, tick
+        self.worker = make()
+        self.calls: dict[str, int] = {}
+
+    async def call(self, method: str, *args, returns: int = 1):
+        """Runs at once, in submission order (as an actor runs the calls of one caller: a release sent after
+        this call runs after it), then suspends until the answer "arrives"."""
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if self.tick is not None:
+            self.tick()
+        fault = self.plan(method)
+        if fault in ("die", "restart"):
+            self.worker = self.make()
+        error: Exception | None = None
+        if fault == "die":
+            error = WorkerLost(f"{method}: the worker died")
+        elif fault == "raise":
+            error = WorkerFailed(f"{method}: injected failure")
+        else:
+            try:
+                out = getattr(self.worker, method)(*args)
+            except Exception as err:  # noqa: BLE001 (reported as the client would)
+                error = WorkerFailed(f"{method}: {type(err).__name__}: {err}")
+            if fault == "late":
+                error = WorkerLost(f"{method}: no answer in time")
+        for _ in range(1 + (self.rng.randrange(3) if self.rng else 0)):  # a remote call always suspends
+            await asyncio.sleep(0)
+        if error is not None:
+            raise error
+        return out
+
+    def cast(self, method: str, *args) -> None:
+        getattr(self.worker, method)(*args)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CharTokenizer:
+    """Token i is the letter chr(97 + i): stop strings over token ids."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(97 + i) for i in ids)
