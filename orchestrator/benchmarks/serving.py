@@ -246,11 +246,6 @@ def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: in
     }
 
 
-def _render(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return list(out["input_ids"])
-
-
 def load_prompts(source: str, n: int) -> list[dict]:
     """MT-Bench first turns as chat messages, or a collection's held-out conversations up to their first
     assistant token (token ids, rendered as collected: the drafter's own domain)."""
@@ -296,11 +291,12 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
                 c: spec[c]["per_user_tok_s"] / max(1e-9, plain[c]["per_user_tok_s"]) for c in cfg.concurrency
             }
     if cfg.in_process and "spec" in cfg.modes and args.get("drafter"):
+        from orchestrator.data.prompts import render_chat
         from orchestrator.models.prepare import resolve_model
         from orchestrator.models.tokenizer import load_tokenizer
 
         tok = load_tokenizer(resolve_model(args["model"], args.get("models_dir", "models")))
-        ids = [p["prompt"] if "prompt" in p else _render(tok, p["messages"]) for p in prompts[: cfg.min_requests]]
+        ids = [p["prompt"] if "prompt" in p else render_chat(tok, p["messages"]) for p in prompts[: cfg.min_requests]]
         result["in_process_c1"] = in_process_round_ms(args, ids, cfg.max_tokens)
     return result
 

@@ -65,11 +65,19 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
     return items
 
 
+def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None) -> list[int]:
+    """Token ids of a conversation under the model's chat template (or another), ready for the assistant's
+    answer: the one rendering of the project (the server, `aerie generate`, evaluation and benchmarks)."""
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def encode_prompt(tokenizer, item: PromptItem) -> list[int]:
     """Token ids of a prompt: chat template + generation prompt for messages, plain text otherwise."""
     if item.messages is not None:
-        text = tokenizer.apply_chat_template(item.messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return render_chat(tokenizer, item.messages)
     return tokenizer(item.prompt)["input_ids"]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.data.conversations import LoadReport, load_chitchat
-from orchestrator.data.prompts import mtbench_questions
+from orchestrator.data.prompts import mtbench_questions, render_chat
 from orchestrator.data.reader import ShardReader
 from orchestrator.data.templates import LLAMA3_TEMPLATE
 
@@ -38,11 +38,6 @@ class EvalPrompt:
     set: str
     label: str  # bucket / template variant / turn
     ids: list[int]
-
-
-def _render(tokenizer, messages: list[dict], template: str | None = None) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def mtbench_prompt_ids(
@@ -106,13 +101,15 @@ def long_context_set(tokenizer, buckets: Sequence[int], per_bucket: int, window:
                 grown = history
                 for m in turns:
                     candidate = grown + [m]
-                    if len(_render(tokenizer, _alternating(candidate) + question)) > bucket:
+                    if len(render_chat(tokenizer, _alternating(candidate) + question)) > bucket:
                         break
                     grown = candidate
                 if grown == history:
                     break
                 history = grown
-            out.append(EvalPrompt("long_context", f"<={bucket}", _render(tokenizer, _alternating(history) + question)))
+            out.append(
+                EvalPrompt("long_context", f"<={bucket}", render_chat(tokenizer, _alternating(history) + question))
+            )
     return out
 
 
@@ -133,5 +130,5 @@ def template_set(tokenizer, num_prompts: int) -> list[EvalPrompt]:
         for q in mtbench_questions()[:num_prompts]:
             messages = [{"role": "system", "content": system}] if system is not None else []
             messages.append({"role": "user", "content": q["turns"][0]})
-            out.append(EvalPrompt("templates", name, _render(tokenizer, messages, template)))
+            out.append(EvalPrompt("templates", name, render_chat(tokenizer, messages, template)))
     return out

@@ -30,6 +30,7 @@ from pydantic import Field
 from ray import serve
 
 from orchestrator.config import StrictModel
+from orchestrator.data.prompts import render_chat
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.protocol import (
@@ -213,11 +214,10 @@ class SpecServer:
         async def build():
             req = parse(ChatCompletionRequest, await _json(request))
             try:
-                ids = self.tokenizer.apply_chat_template(req.chat(), add_generation_prompt=True, tokenize=True)
+                ids = render_chat(self.tokenizer, req.chat())
             except ValueError as err:
                 raise RequestError(str(err), "messages") from err
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return req, list(ids), req.max_completion_tokens or req.max_tokens
+            return req, ids, req.max_completion_tokens or req.max_tokens
 
         return await self._serve(request, build, chat=True)
 
