@@ -56,7 +56,7 @@ def plot_evaluation(result: dict, out: Path) -> list[Path]:
             ax.plot(range(1, len(rates) + 1), rates, "o-", label=f"{name} {method}")
     ax.set_xlabel("draft depth")
     ax.set_ylim(0, 1)
-    rate = "share of rounds accepting at least this deep"
+    rate = "share of drafted request-steps reaching this depth"
     paths.append(_save(plt, fig, ax, "per-depth acceptance (all prompts)", rate, out / "per_depth_acceptance.png"))
 
     variants = sorted(
