@@ -207,7 +207,3 @@ class TargetModel(nn.Module):
         else:
             out_logits = None
         return TargetOutput(out_logits, torch.cat(aux, dim=-1), final)
-
-    def compute_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over final-norm hidden states [..., hidden] -> [..., vocab]."""
-        return self.lm_head(final_hidden)

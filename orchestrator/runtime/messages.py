@@ -80,7 +80,6 @@ class RoundOutput:
     started: float
     pairs_bytes: int
     free_slots: int
-    incarnation: str  # differs after the actor restarted (its requests are then gone)
 
 
 @dataclass

@@ -86,14 +86,12 @@ class TargetWorker:
         self.eos_ids = frozenset(eos_token_ids)
         self.verifier = verifier or Verifier()
         self.seqs: dict[str, _Seq] = {}
-        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
 
     def ready(self) -> dict:
         return _identity() | {
             "free_slots": self.cache.free_slots,
             "max_batch": self.max_batch,
             "context": self.context,
-            "incarnation": self.incarnation,
         }
 
     def _check(self, s: NewSequence) -> str | None:
@@ -232,7 +230,7 @@ class TargetWorker:
     def _output(self, updates, tokens: int, began: float, stamp: float, parts: dict) -> tuple[RoundOutput, Pairs]:
         pairs = Pairs.pack(parts, self.width)
         took = time.perf_counter() - began
-        out = RoundOutput(updates, tokens, took, stamp, pairs.nbytes, self.cache.free_slots, self.incarnation)
+        out = RoundOutput(updates, tokens, took, stamp, pairs.nbytes, self.cache.free_slots)
         return out, pairs
 
     def history(self, request_ids: list[str], since: dict[str, int] | None = None) -> tuple[int, Pairs]:
