@@ -111,6 +111,9 @@ class KVCache:
         start, end = int(self.block_start[slot]), int(self.lengths[slot])
         if keep.numel() and (int(keep.max()) >= end - start or int(keep.min()) < 0):
             raise IndexError(f"keep indices {keep.tolist()} outside the last block of {end - start} tokens")
+        if keep.numel() == end - start:  # the whole block (ascending, distinct): nothing moves
+            self.block_start[slot] = end
+            return
         src = start + keep
         for cache in (self.keys, self.values):
             for layer in range(self.num_layers):
