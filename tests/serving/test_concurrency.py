@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -83,6 +84,17 @@ async def _chat(client, name: str, messages, stream: bool = False, **kw) -> tupl
     return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1], None
 
 
+def _acceptance(url: str) -> dict:
+    return httpx.get(f"{url}/stats", timeout=60).json()["acceptance"]
+
+
+def _report(what: str, before: dict, after: dict, seconds: float) -> None:
+    from orchestrator.spec import Acceptance
+
+    a = Acceptance.from_dict(after) - Acceptance.from_dict(before)
+    print(f"\n{what}: {seconds:.1f} s, tau {a.acceptance_length:.2f} over {a.drafts} drafted request-steps")
+
+
 def _slots_free(url: str) -> dict:
     stats = httpx.get(f"{url}/stats", timeout=60).json()
     return {side: (s["free"], s["total"]) for side, s in stats["kv_slots"].items()} | {"waiting": stats["waiting"]}
@@ -95,7 +107,9 @@ def test_a_burst_of_six_times_max_batch_gets_the_greedy_text_of_each_prompt_alon
         async with _client(url) as client:
             return await asyncio.gather(*[_chat(client, name, messages[i % 8]) for i in range(6 * MAX_BATCH)])
 
+    before, began = _acceptance(url), time.perf_counter()
     out = asyncio.run(run())
+    _report(f"burst of {6 * MAX_BATCH}", before, _acceptance(url), time.perf_counter() - began)
     assert [text for text, _, _ in out] == [texts[i % 8] for i in range(6 * MAX_BATCH)]
     assert all(finish == "length" and tokens == TOKENS for _, finish, tokens in out)
     assert _slots_free(url) == {"target": (MAX_BATCH, MAX_BATCH), "draft": (MAX_BATCH, MAX_BATCH), "waiting": 0}
@@ -116,7 +130,10 @@ def test_early_stop_strings_beside_normal_requests_twenty_times_in_a_row(served)
         async with _client(url) as client:
             return [await round_(client) for _ in range(20)]
 
-    for results in asyncio.run(run()):
+    before, began = _acceptance(url), time.perf_counter()
+    rounds = asyncio.run(run())
+    _report("20 x (6 early stops + 6 normal)", before, _acceptance(url), time.perf_counter() - began)
+    for results in rounds:
         for i, (text, finish, _) in enumerate(results[:6]):
             assert (text, finish) == (texts[i][: texts[i].find(stops[i])], "stop")
         for i, (text, finish, _) in zip(range(2, 8), results[6:], strict=True):
