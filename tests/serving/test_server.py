@@ -18,16 +18,16 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def apps(serve_session, tiny_chat, tiny_drafter, references):
-    """chain and tree apps with the oracle proposer (acceptance 0..all), one with the real EAGLE drafter, and
+    """chain and tree apps with the replay proposer (acceptance 0..all), one with the real EAGLE drafter, and
     a target-only one."""
-    oracle = {"proposer_factory": "tests.helpers:ReplayProposer"}
+    replay = {"proposer_factory": "tests.helpers:ReplayProposer"}
     urls = {
         "chain": deploy(
             "chain",
             app_args(
                 tiny_chat,
                 spec={"method": "chain", "num_spec_tokens": 4},
-                **oracle,
+                **replay,
                 proposer_args={"references": references["path"], "depth": 4},
                 scheduler={"adaptive": False},
             ),
@@ -38,7 +38,7 @@ def apps(serve_session, tiny_chat, tiny_drafter, references):
             app_args(
                 tiny_chat,
                 spec={"method": "tree", "depth": 4, "topk": 2, "budget": 8},
-                **oracle,
+                **replay,
                 proposer_args={"references": references["path"], "depth": 4, "width": 2},
                 scheduler={"budget_tokens": 24, "adaptive": False},  # whole trees: acceptance 0 .. all
                 placement_strategy="PACK",  # the two workers in one placement group
@@ -87,7 +87,7 @@ def test_greedy_output_equals_target_only(apps, references, kind, users):
     assert [g["choices"][0]["message"]["content"] for g in got] == want
     assert all(g["usage"]["completion_tokens"] == 32 for g in got)
     stats = httpx.get(f"{url}/stats").json()
-    if kind != "eagle":  # the oracle's drafts are partly right: rounds accept 0 .. all
+    if kind != "eagle":  # the replayed drafts are partly right: rounds accept 0 .. all
         acceptance = stats["acceptance"]
         assert 0 < acceptance["accepted"] < acceptance["draft_tokens"]
         assert len(acceptance["accepted_per_pos"]) >= 3
