@@ -6,8 +6,8 @@ Layout (one tensor each for keys and values):
 
 `lengths[s]` counts the tokens of slot `s` that attention sees. A forward `append`s a block of new tokens at
 `lengths[s] .. lengths[s] + n` (each token carries its own rope position, so a draft tree can sit in that
-block under any attention mask) and advances `lengths[s]`. `keep_appended(s, idx)` then keeps only the chosen
-positions of that last block, moved to its start, as if only they had ever been fed:
+block under any attention mask) and advances `lengths[s]`. `keep_appended([s], [idx])` then keeps only the
+chosen positions of that last block, moved to its start, as if only they had ever been fed:
 
     before:  [p0 p1 p2 | t0 t1 t2 t3]     appended tree t0..t3, accepted path t0, t2
     after:   [p0 p1 p2 | t0 t2]
@@ -106,20 +106,25 @@ class KVCache:
         self.block_start[slots] = self.lengths[slots]
         self.lengths[slots] += num_new
 
-    def keep_appended(self, slot: int, keep: torch.Tensor) -> None:
-        """Keep only positions `keep` (ascending indices into the last appended block) of `slot`."""
-        start, end = int(self.block_start[slot]), int(self.lengths[slot])
-        if keep.numel() and (int(keep.max()) >= end - start or int(keep.min()) < 0):
-            raise IndexError(f"keep indices {keep.tolist()} outside the last block of {end - start} tokens")
-        if keep.numel() == end - start:  # the whole block (ascending, distinct): nothing moves
-            self.block_start[slot] = end
-            return
-        src = start + keep
-        for cache in (self.keys, self.values):
-            for layer in range(self.num_layers):
-                cache[layer][slot, :, start : start + keep.numel()] = cache[layer][slot, :, src]
-        self.lengths[slot] = start + keep.numel()
-        self.block_start[slot] = self.lengths[slot]
+    def keep_appended(self, slots: list[int], keeps: list[torch.Tensor]) -> None:
+        """Keep only positions `keeps[i]` (ascending indices into the last appended block) of `slots[i]`: every
+        slot's moves in one gather / scatter per layer."""
+        moves = []  # (slot, from, to) of every entry that changes place
+        for slot, keep in zip(slots, keeps, strict=True):
+            start, end = int(self.block_start[slot]), int(self.lengths[slot])
+            if keep.numel() and (int(keep.max()) >= end - start or int(keep.min()) < 0):
+                raise IndexError(f"keep indices {keep.tolist()} outside the last block of {end - start} tokens")
+            src, dst = start + keep, start + torch.arange(keep.numel())
+            moved = src != dst  # the whole block, or a prefix of it, stays where it is
+            if bool(moved.any()):
+                moves.append((torch.full((int(moved.sum()),), slot), src[moved], dst[moved]))
+            self.lengths[slot] = start + keep.numel()
+            self.block_start[slot] = self.lengths[slot]
+        if moves:
+            slot_m, src_m, dst_m = (torch.cat(parts) for parts in zip(*moves, strict=True))  # [M] each
+            for cache in (self.keys, self.values):
+                for layer in range(self.num_layers):
+                    cache[layer][slot_m, :, dst_m] = cache[layer][slot_m, :, src_m]  # the gather copies first
 
     def truncate(self, slot: int, length: int) -> None:
         """Forget everything of `slot` after its first `length` tokens."""

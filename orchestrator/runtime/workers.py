@@ -175,22 +175,27 @@ class TargetWorker:
             except BaseException:
                 self.release(ids)
                 raise
-            offset = 0
+            offset, compact = 0, {}
             for rid, q, tree in zip(ids, seqs, chosen, strict=True):
                 rows = slice(offset, offset + 1 + tree.size)
                 offset += 1 + tree.size
                 try:
                     verdict = self.verifier.verify(tree, out.logits[rows], q.params, q.generator, q.length)
                     kept = torch.tensor([0] + [1 + i for i in verdict.accepted])
-                    self.cache.keep_appended(q.slot, kept)
+                    compact[q.slot] = kept
                     emitted = [int(tree.tokens[i]) for i in verdict.accepted] + [verdict.next_token]
-                    update = self._emit(
-                        rid, q, emitted, (torch.tensor(emitted), out.aux_hidden[rows][kept].clone()), parts
-                    )
+                    pair = (torch.tensor(emitted), out.aux_hidden[rows][kept].clone())
+                    update = self._emit(rid, q, emitted, pair, parts)
                     update.drafted, update.accepted = tree.size, len(verdict.accepted)
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
+                    compact.pop(q.slot, None)
                     update = self._fail(rid, err)
                 updates.append(update)
+            try:  # the cache keeps root + accepted path of every request (one move per layer for all)
+                self.cache.keep_appended(list(compact), list(compact.values()))
+            except BaseException:
+                self.release(ids)
+                raise
         return self._output(updates, verified, began, stamp, parts)
 
     def _tree(self, rid: str, q: _Seq, keep: list[int], trees: dict[str, DraftTree] | None) -> DraftTree:

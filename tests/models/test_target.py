@@ -112,7 +112,7 @@ def test_tree_block_then_keep_equals_feeding_only_kept(tiny_dir):
     slot, one = torch.tensor([0]), torch.tensor([1])
     model(prompt, cache, slot, torch.tensor([4]))
     tree_out = model(tree, cache, slot, torch.tensor([5]), positions=4 + depth, block_mask=mask[None])
-    cache.keep_appended(0, torch.tensor([0, 2, 4]))
+    cache.keep_appended([0], [torch.tensor([0, 2, 4])])
     assert int(cache.lengths[0]) == 7
     after = model(torch.tensor([40]), cache, slot, one).logits
 
