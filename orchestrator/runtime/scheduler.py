@@ -506,6 +506,18 @@ class SpecScheduler:
         self._gauges()
         return answers
 
+    async def health(self) -> str | None:
+        """Why the target cannot admit work (None when it can): it does not answer, the scheduler stopped, or no
+        KV slot is free while no request runs (slots leaked)."""
+        target = (await self.refresh_slots())["target"]
+        if "error" in target:
+            return target["error"]
+        if not self.running:
+            return "the scheduler stopped"
+        if target["free_slots"] == 0 and not any(g.requests for g in self.groups):
+            return "no free KV slot on the target while no request runs"
+        return None
+
     def stats(self) -> dict:
         """Totals since start (the benchmark and the rollout diff two snapshots)."""
         running = sum(len(g.requests) for g in self.groups)

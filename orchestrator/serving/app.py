@@ -240,16 +240,9 @@ class SpecServer:
 
     @api.get("/health")
     async def health(self):
-        """503 when the target cannot admit work: it does not answer, the scheduler stopped, or no KV slot is
-        free while no request runs (slots leaked)."""
+        """503 when the target cannot admit work (SpecScheduler.health says why)."""
         self._start()
-        target = (await self.scheduler.refresh_slots())["target"]
-        running = sum(len(g.requests) for g in self.scheduler.groups)
-        problem = target.get("error")
-        if problem is None and not self.scheduler.running:
-            problem = "the scheduler stopped"
-        if problem is None and target["free_slots"] == 0 and running == 0:
-            problem = "no free KV slot on the target while no request runs"
+        problem = await self.scheduler.health()
         if problem is not None:
             return JSONResponse(error_body(f"target worker unavailable: {problem}", "server_error"), status_code=503)
         return {

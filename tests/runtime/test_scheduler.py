@@ -274,3 +274,29 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts_and_at_any_batch():
         assert_settled(h)
     assert outputs[0] == outputs[1] == outputs[2]
     assert outputs[0] == [reference(p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+
+def test_health_says_why_the_target_cannot_admit_work():
+    """`/health` answers 503 with this reason: the target does not answer, a loop died, or every KV slot is
+    taken while no request runs (leaked)."""
+    down = {"ready": False}
+    h = build(max_batch=2, target_plan=lambda m: "raise" if m == "ready" and down["ready"] else None)
+
+    async def body(h):
+        assert await h.scheduler.health() is None
+        await _all(h, _prompts(3))
+        assert await h.scheduler.health() is None  # all served: healthy again
+        down["ready"] = True
+        assert "injected failure" in await h.scheduler.health()
+        down["ready"] = False
+        leaked = [h.target.worker.cache.allocate() for _ in range(2)]
+        assert await h.scheduler.health() == "no free KV slot on the target while no request runs"
+        for slot in leaked:
+            h.target.worker.cache.release(slot)
+        assert await h.scheduler.health() is None
+        h.scheduler._loops[0].cancel()
+        await asyncio.sleep(0)
+        assert await h.scheduler.health() == "the scheduler stopped"
+
+    with pytest.raises(AssertionError, match="a scheduler loop ended"):
+        run(h, body)
