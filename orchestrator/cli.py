@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from orchestrator.errors import AerieError
+from orchestrator.redaction import redact_text
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except AerieError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {redact_text(str(err))}", file=sys.stderr)
         return 2
     except ValidationError as err:
         first = err.errors()[0]

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from orchestrator.config import StrictModel, load_config
 from orchestrator.errors import AerieError
+from orchestrator.redaction import redact_text
 
 C = TypeVar("C", bound=StrictModel)
 
@@ -48,5 +49,5 @@ def run_job(description: str, config_cls: type[C], body: Callable[[C], int], arg
     try:
         return body(load_config(config_cls, args.config, args.overrides))
     except AerieError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {redact_text(str(err))}", file=sys.stderr)
         return 2

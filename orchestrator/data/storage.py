@@ -1,17 +1,22 @@
 """Where shards go: a local directory or `s3://bucket/prefix` (boto3; endpoint, region and credentials from the
 standard AWS environment and config files, so MinIO, Ceph or moto work as well as AWS).
 
-Writes are atomic: a local file is written beside its target and renamed; an S3 object appears whole.
+Writes are atomic: a local file is written beside its target and renamed; an S3 object appears whole. A name
+from elsewhere (an S3 listing, a manifest) becomes a local path only through `safe_path`, which refuses one that
+would land outside its directory.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from orchestrator.errors import AerieError
+from orchestrator.redaction import redact_text
 
 
 class Storage(Protocol):
@@ -26,22 +31,46 @@ class Storage(Protocol):
     def names(self) -> list[str]: ...
 
 
+def safe_path(root: Path, name: str, key: str | None = None) -> Path:
+    """`root / name` for a name read from elsewhere; an AerieError naming `key` (default: `name`) when the path
+    would land outside `root`: an absolute name (`prefix//tmp/x` lists as `/tmp/x`), a `..` segment, or a
+    symlink inside `root` that points out of it.
+
+        safe_path(Path("d"), "sub/model.safetensors") -> d/sub/model.safetensors
+        safe_path(Path("d"), "../../evil")            -> AerieError
+    """
+    parts = PurePosixPath(name).parts
+    target = root / name
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts or not _inside(target, root):
+        raise AerieError(
+            f"refusing object key {key or name!r}: it would be written outside {root} "
+            "(an absolute path, a '..' segment or a symlink out); rename the object"
+        )
+    return target
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path.resolve().is_relative_to(root.resolve())
+
+
 class LocalStorage:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
     def exists(self, name: str) -> bool:
-        return (self.root / name).is_file()
+        return safe_path(self.root, name).is_file()
 
     def read_bytes(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        return safe_path(self.root, name).read_bytes()
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.root)
+        target = safe_path(self.root, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, self.root / name)
+        os.replace(tmp, target)
 
     def uri(self, name: str = "") -> str:
         return str(self.root / name)
@@ -63,7 +92,7 @@ class S3Storage:
             self.client.head_bucket(Bucket=bucket)
         except (BotoCoreError, ClientError) as err:
             raise AerieError(
-                f"cannot reach S3 bucket {bucket!r} ({err}); check AWS_ENDPOINT_URL and credentials"
+                redact_text(f"cannot reach S3 bucket {bucket!r} ({err}); check AWS_ENDPOINT_URL and credentials")
             ) from err
 
     def _key(self, name: str) -> str:
@@ -89,12 +118,20 @@ class S3Storage:
     def uri(self, name: str = "") -> str:
         return f"s3://{self.bucket}/{self._key(name)}"
 
-    def names(self) -> list[str]:
+    def objects(self) -> dict[str, tuple[str, int]]:
+        """Every object under the prefix: relative name -> (ETag, size in bytes)."""
         start = f"{self.prefix}/" if self.prefix else ""
-        out = []
+        out = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
-            out += [obj["Key"][len(start) :] for obj in page.get("Contents", [])]
-        return sorted(out)
+            out |= {obj["Key"][len(start) :]: (obj["ETag"], obj["Size"]) for obj in page.get("Contents", [])}
+        return out
+
+    def names(self) -> list[str]:
+        return sorted(self.objects())
+
+    def digest(self) -> str:
+        """sha256 of the listing (names, ETags, sizes): changes whenever any object under the prefix does."""
+        return hashlib.sha256(json.dumps(sorted(self.objects().items())).encode()).hexdigest()
 
 
 def open_storage(location: str) -> Storage:
@@ -114,12 +151,14 @@ def upload_dir(local_dir: str | Path, location: str) -> str:
 
 
 def download_prefix(location: str, dest: str | Path) -> Path:
-    """Copy every object under `location` into `dest` (a fresh local directory); returns `dest`."""
+    """Copy every object under `location` into `dest` (a fresh local directory); returns `dest`. Every key is
+    checked before anything is written: one that would land outside `dest` is an error naming it."""
     storage, dest = open_storage(location), Path(dest)
-    names = storage.names()
+    names = [n for n in storage.names() if n and not n.endswith("/")]  # "dir/" keys are folder markers
     if not names:
-        raise AerieError(f"{location} holds no files")
-    for name in names:
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        (dest / name).write_bytes(storage.read_bytes(name))
+        raise AerieError(f"{redact_text(location)} holds no files")
+    targets = {name: safe_path(dest, name, storage.uri(name)) for name in names}
+    for name, target in targets.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(storage.read_bytes(name))
     return dest

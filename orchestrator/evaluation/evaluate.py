@@ -22,10 +22,11 @@ from orchestrator.evaluation.plots import plot_evaluation
 from orchestrator.evaluation.sets import EvalPrompt, long_context_set, mtbench_set, template_set, validation_set
 from orchestrator.models.target import read_hf_config
 from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
+from orchestrator.redaction import redact
 from orchestrator.spec.acceptance import Acceptance
 from orchestrator.spec.proposer import SpecConfig
 from orchestrator.spec.sampling import SamplingParams
-from orchestrator.tracking import client, fetch_drafter, redact, tracking_uri
+from orchestrator.tracking import client, fetch_drafter, tracking_uri
 
 log = logging.getLogger(__name__)
 

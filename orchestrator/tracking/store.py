@@ -2,21 +2,30 @@
 
 Drafters are registered as plain artifact directories (the vLLM-format checkpoint), so any MLflow client can
 fetch one with `mlflow.artifacts.download_artifacts("models:/NAME@ALIAS")` and vLLM can load the result.
+
+The drafter cache holds one directory per exact version, each written beside its final name and renamed into
+place, so replicas on one node share it and never delete what another is reading:
+
+    runs/drafter-cache/models/<registry>/<NAME>/<VERSION>/config.json   (an alias resolved to its version)
+    runs/drafter-cache/s3/<bucket_prefix>-<listing digest>/config.json  (keys, ETags and sizes)
+    runs/drafter-cache/models/<registry>/<NAME>/.tmp-XXXX/               (a download in progress)
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.errors import AerieError
+from orchestrator.redaction import redact_text
 
 DEFAULT_STORE = "runs/mlflow.db"
 TRAIN_NAME_TAG = "aerie.train_name"
-_SECRET_KEY = re.compile(r"(secret|password|passwd|token|credential|api_?key|access_?key|private)", re.IGNORECASE)
-_URL_AUTH = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
 
 
 def tracking_uri(configured: str | None = None) -> str:
@@ -28,21 +37,6 @@ def tracking_uri(configured: str | None = None) -> str:
     path = Path(DEFAULT_STORE).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
-
-
-def redact(params: dict, prefix: str = "") -> dict[str, str]:
-    """Flatten a nested config to dotted keys; values of secret-looking keys and credentials inside URLs are
-    replaced, so nothing secret reaches MLflow params."""
-    out: dict[str, str] = {}
-    for key, value in params.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(redact(value, f"{name}."))
-        elif _SECRET_KEY.search(str(key)) and value not in (None, ""):
-            out[name] = "***"
-        else:
-            out[name] = _URL_AUTH.sub(r"\g<scheme>***@", str(value))[:6000]
-    return out
 
 
 def client(uri: str | None = None):
@@ -82,8 +76,9 @@ def register_drafter(
     return str(version)
 
 
-def check_model_uri(uri: str, tracking: str | None = None) -> None:
-    """Fail early, with a clear message, when a models:/ URI names no registered version."""
+def check_model_uri(uri: str, tracking: str | None = None) -> tuple[str, str]:
+    """Fail early, with a clear message, when a models:/ URI names no registered version; returns
+    (name, version), an alias resolved to its version number."""
     from mlflow.exceptions import MlflowException
 
     body = uri[len("models:/") :]
@@ -92,34 +87,81 @@ def check_model_uri(uri: str, tracking: str | None = None) -> None:
         name, _, version = body.partition("/")
     c = client(tracking)
     try:
-        if sep_alias:
-            c.get_model_version_by_alias(name, alias)
-        else:
-            c.get_model_version(name, version)
+        found = c.get_model_version_by_alias(name, alias) if sep_alias else c.get_model_version(name, version)
     except MlflowException as err:
         known = [m.name for m in c.search_registered_models(max_results=20)]
+        registry = redact_text(tracking_uri(tracking))
         raise AerieError(
-            f"{uri} is not in the model registry at {tracking_uri(tracking)} ({err.error_code}); registered: {known}"
+            f"{uri} is not in the model registry at {registry} ({err.error_code}); registered: {known}"
         ) from err
+    return name, str(found.version)
 
 
 def fetch_drafter(source: str, cache_dir: str | Path = "runs/drafter-cache", tracking: str | None = None) -> Path:
-    """A drafter directory for a local path, an s3:// prefix or a models:/ URI (downloaded to `cache_dir`)."""
+    """A drafter directory for a local path, an s3:// prefix or a models:/ URI (downloaded once per exact
+    version into `cache_dir`, see the module docstring; an existing download is reused, never replaced)."""
+    from orchestrator.data.storage import safe_path
+
+    cache = Path(cache_dir)
     if source.startswith("models:/"):
         import mlflow
 
-        check_model_uri(source, tracking)
-        mlflow.set_tracking_uri(tracking_uri(tracking))
-        dest = Path(cache_dir) / re.sub(r"[^A-Za-z0-9._-]+", "_", source)
-        if dest.exists():
-            shutil.rmtree(dest)
-        dest.mkdir(parents=True)
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dest)))
+        name, version = check_model_uri(source, tracking)
+        uri = tracking_uri(tracking)
+        mlflow.set_tracking_uri(uri)  # models:/ downloads read the global registry URI
+        registry = hashlib.sha256(redact_text(uri).encode()).hexdigest()[:12]  # one cache per registry
+        dest = safe_path(cache, f"models/{registry}/{_slug(name)}/{version}", source)
+        pinned = f"models:/{name}/{version}"
+        return _cached(
+            source, dest, lambda tmp: Path(mlflow.artifacts.download_artifacts(artifact_uri=pinned, dst_path=str(tmp)))
+        )
     if source.startswith("s3://"):
-        from orchestrator.data.storage import download_prefix
+        from orchestrator.data.storage import S3Storage, download_prefix
 
-        return download_prefix(source, Path(cache_dir) / re.sub(r"[^A-Za-z0-9._-]+", "_", source))
+        storage = S3Storage(source)
+        digest = storage.digest()
+        dest = safe_path(cache, f"s3/{_slug(source[len('s3://') :])}-{digest[:16]}", source)
+
+        def download(tmp: Path) -> Path:
+            download_prefix(source, tmp)
+            if storage.digest() != digest:
+                raise AerieError(f"{source} changed while it was downloaded; fetch it again")
+            return tmp
+
+        return _cached(source, dest, download)
     path = Path(source)
     if not (path / "config.json").is_file():
-        raise AerieError(f"drafter {source!r} is not a directory with a config.json (nor s3:// or models:/)")
+        raise AerieError(
+            f"drafter {redact_text(source)!r} is not a directory with a config.json (nor s3:// or models:/)"
+        )
     return path
+
+
+def _slug(text: str) -> str:
+    """One path segment: `org/drafter v1` -> `org_drafter_v1` (a leading dot too, so never `.` or `..`)."""
+    return re.sub(r"^\.|[^A-Za-z0-9._-]+", "_", text)
+
+
+def _cached(source: str, dest: Path, download: Callable[[Path], Path]) -> Path:
+    """`dest` when it holds a drafter; else `download(tmp)` into a fresh directory beside `dest` (it returns the
+    drafter directory: `tmp` or one inside it), renamed to `dest`. When another process renamed first, its copy
+    is kept and ours discarded; nothing but our own temporary directory is ever deleted."""
+    if (dest / "config.json").is_file():
+        return dest
+    if dest.exists():
+        raise AerieError(f"{dest} exists but holds no config.json (not a cached drafter): remove it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    try:
+        got = download(tmp)
+        if not (got / "config.json").is_file():
+            raise AerieError(f"drafter {redact_text(source)} holds no config.json")
+        try:
+            os.rename(got, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return dest

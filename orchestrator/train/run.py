@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,11 +20,12 @@ import torch
 from orchestrator.data.storage import open_storage, upload_dir
 from orchestrator.errors import AerieError
 from orchestrator.jobrunner import init_ray
-from orchestrator.models.checkpoint import load_drafter
+from orchestrator.models.checkpoint import ARCHITECTURE, load_drafter
 from orchestrator.models.drafter import DrafterConfig
 from orchestrator.models.prepare import resolve_model
 from orchestrator.models.target import read_hf_config
-from orchestrator.tracking import client, fetch_drafter, redact, register_drafter, resume_or_start_run, tracking_uri
+from orchestrator.redaction import redact
+from orchestrator.tracking import client, fetch_drafter, register_drafter, resume_or_start_run, tracking_uri
 from orchestrator.train.config import TrainConfig
 from orchestrator.train.loop import train_loop_per_worker
 from orchestrator.train.plots import plot_training
@@ -170,7 +172,7 @@ def run_training(cfg: TrainConfig) -> dict:
 def _finish(cfg, ckpt: Path, mlflow, run_id: str, config, manifest_sha: str, cover: float, model_dir, metrics) -> dict:
     """Export the final drafter, log artifacts and plots, register it; returns the job result."""
     progress = json.loads((ckpt / "progress.json").read_text())
-    exported = upload_dir(ckpt / "drafter", cfg.output) if cfg.output.startswith("s3://") else _copy(ckpt, cfg.output)
+    exported = export_drafter(ckpt / "drafter", cfg.output)
     history = {
         key: [(m.step, m.value) for m in mlflow.get_metric_history(run_id, key)]
         for key in mlflow.get_run(run_id).data.metrics
@@ -207,9 +209,52 @@ def _finish(cfg, ckpt: Path, mlflow, run_id: str, config, manifest_sha: str, cov
     }
 
 
-def _copy(ckpt: Path, output: str) -> str:
+def export_drafter(drafter_dir: Path, output: str) -> str:
+    """Copy the drafter to `output` (s3:// or local); returns where it went. Locally it is copied beside `output`
+    and swapped in, so a failure at any point leaves the previous export whole:
+
+        out/ (previous)   .out.new-X/ (copy)   ->   .out.old-Y/ (previous)   out/ (new)   ->   out/ (new)
+
+    An existing `output` that is neither empty nor a drafter export (a drafter config.json) is refused."""
+    if output.startswith("s3://"):
+        return upload_dir(drafter_dir, output)
     out = Path(output)
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(ckpt / "drafter", out)
+    if out.exists() and not _is_export(out):
+        raise AerieError(
+            f"output {out} exists and is not an exported drafter (no drafter config.json): "
+            "choose a new or empty directory"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    old = None
+    try:
+        shutil.copytree(drafter_dir, new, dirs_exist_ok=True)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old)  # onto the empty placeholder
+        try:
+            os.rename(new, out)
+        except OSError:
+            if old is not None:
+                os.rename(old, out)  # the previous export back in place
+                old = None
+            raise
+    finally:
+        if new.exists():
+            shutil.rmtree(new)
+        if old is not None and out.exists():  # kept if it could not be put back
+            shutil.rmtree(old)
     return str(out.resolve())
+
+
+def _is_export(path: Path) -> bool:
+    """An empty directory, or one whose config.json is a drafter's (a previous export)."""
+    if not path.is_dir():
+        return False
+    if not any(path.iterdir()):
+        return True
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])

@@ -1,4 +1,4 @@
-"""Draft vocabulary selection and what may reach MLflow params."""
+"""Draft vocabulary selection, the learning-rate schedule and batching."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import torch
 
 from orchestrator.errors import AerieError
 from orchestrator.models.drafter import Drafter, DrafterConfig
-from orchestrator.tracking import redact
 from orchestrator.train.vocab import coverage, draft_vocab
 from tests.helpers import TINY_LLAMA
 
@@ -23,22 +22,6 @@ def test_draft_vocab_takes_the_most_frequent_ids_ascending_and_maps_like_vllm():
     assert drafter.to_target_ids(torch.arange(3)).tolist() == [2, 4, 6]
     with pytest.raises(AerieError, match="draft_vocab_size 8 must be in 1..7"):
         draft_vocab(counts, 8)
-
-
-def test_redact_flattens_and_hides_secrets():
-    params = redact(
-        {
-            "mlflow": {"tracking_uri": "https://alice:hunter2@mlflow.example.com/", "experiment": "x"},
-            "aws_secret_access_key": "abc",
-            "api_key": "",
-            "hf_token": "tok",
-            "output": "s3://bucket/drafters",
-        }
-    )
-    assert params["mlflow.tracking_uri"] == "https://***@mlflow.example.com/"
-    assert params["aws_secret_access_key"] == "***" and params["hf_token"] == "***"
-    assert params["api_key"] == "" and params["output"] == "s3://bucket/drafters"
-    assert "hunter2" not in str(params)
 
 
 def test_learning_rate_warms_up_then_decays_over_the_budget():
