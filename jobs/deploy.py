@@ -2,19 +2,27 @@
 
 python -m jobs.deploy --config configs/smollm2-135m/deploy.yaml drafter=models:/NAME@candidate
 
-Exit status 0: deployed (initial or promoted); 1: rolled back or the candidate failed to start.
+Exit status 0: deployed (initial or promoted); 1: rolled back or the candidate failed to start. Interrupted
+(Ctrl-C, or SIGTERM from `ray job stop`) while a canary runs, it first gives all traffic back to the stable
+backend, then removes the canary.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 from orchestrator.jobrunner import run_job
 from orchestrator.serving.rollout import DeployConfig, run_rollout
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 def main(cfg: DeployConfig) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`: unwind as Ctrl-C does (routes back to stable)
     record = run_rollout(cfg)
     summary = {k: record.get(k) for k in ("decision", "app", "drafter", "reason", "acceptance", "record_dir")}
     print(json.dumps(summary, indent=2))

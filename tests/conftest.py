@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import random_drafter, write_tiny_llama
+from tests.helpers import API_KEY, random_drafter, write_tiny_llama
 
+os.environ["AERIE_API_KEY"] = API_KEY  # before any Ray starts: its workers (the servers) inherit it
+os.environ.pop("AERIE_API_KEY_FILE", None)
 MODELS_DIR = Path(os.environ.get("AERIE_TEST_MODELS", Path.home() / ".cache" / "aerie-test-models"))
 
 

@@ -32,6 +32,11 @@ TINY_LLAMA = {
 }
 
 
+# The servers under test take this key (tests/conftest.py puts it in the environment before Ray starts).
+API_KEY = "aerie-test-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def write_tiny_llama(out: Path, seed: int = 0, **overrides) -> Path:
     """A random Llama in Hugging Face format (config.json + model.safetensors), written by transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -109,7 +109,9 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: 
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    from orchestrator.serving.guard import auth_headers
+
+    async with httpx.AsyncClient(timeout=600, headers=auth_headers()) as client:
 
         async def user(i):
             async with sem:
@@ -307,6 +309,7 @@ def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, res
     from ray import serve
 
     from orchestrator.serving.app import _import
+    from orchestrator.serving.guard import auth_headers
 
     vllm = backend_of(app["import_path"]) == "vllm"
     name = f"bench-{label}{mode}"
@@ -315,7 +318,7 @@ def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, res
         _import(app["import_path"])(app["args"] | {"speculation": mode == "spec"}), name=name, route_prefix=f"/{name}"
     )
     url = f"http://127.0.0.1:{cfg.port}/{name}"
-    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    model = httpx.get(f"{url}/v1/models", headers=auth_headers(), timeout=60).json()["data"][0]["id"]
     asyncio.run(drive(url, model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
     levels = {}
     for c in cfg.concurrency:
@@ -329,7 +332,7 @@ def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, res
             level["scheduler"] = vllm_delta(before, _counters(url, name, vllm))
         else:
             trace = mode == "spec" and c == cfg.trace_concurrency
-            after = httpx.get(f"{url}/stats", params={"trace": trace}, timeout=60).json()
+            after = httpx.get(f"{url}/stats", params={"trace": trace}, headers=auth_headers(), timeout=60).json()
             level["scheduler"] = scheduler_delta(before, after)
             if "trace" in after:
                 spans = [s for s in after["trace"] if s["ts"] >= began]
@@ -344,9 +347,10 @@ def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, res
 def _counters(url: str, app: str, vllm: bool):
     import httpx
 
+    from orchestrator.serving.guard import auth_headers
     from orchestrator.serving.rollout import vllm_counters
 
-    return vllm_counters(app) if vllm else httpx.get(f"{url}/stats", timeout=60).json()
+    return vllm_counters(app) if vllm else httpx.get(f"{url}/stats", headers=auth_headers(), timeout=60).json()
 
 
 def vllm_delta(before: Acceptance, after: Acceptance) -> dict:

@@ -12,16 +12,19 @@ Each replica owns one TargetWorker and one DraftWorker, placed by resources, cus
 `draft`), node labels or a placement group; more replicas serve in parallel (data parallel). Endpoints:
 `/v1/chat/completions`, `/v1/completions` (SSE streaming or not), `/v1/models`, `/health` (503 when the
 target cannot admit work), and `/stats` (the scheduler's totals, KV slots, queue, and the round timeline,
-for benchmarks and rollouts).
+for benchmarks and rollouts). Every route but `/health` needs an API key, and a replica holds at most
+`max_batch + limits.max_queued` requests (then 429): `serving/guard.py`.
 
 `serve run configs/smollm2-135m/serve.yaml`, `serve deploy ...` or `aerie serve --config ...` start it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -33,16 +36,8 @@ from orchestrator.config import StrictModel
 from orchestrator.data.prompts import render_chat
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
-from orchestrator.serving.protocol import (
-    ChatCompletionRequest,
-    Chunker,
-    CompletionRequest,
-    RequestError,
-    error_body,
-    parse,
-    sse,
-    usage,
-)
+from orchestrator.serving.guard import Guard, api_keys
+from orchestrator.serving.protocol import Chunker, Limits, RequestError, check_request, error_body, sse, usage
 from orchestrator.spec.proposer import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -79,7 +74,7 @@ class SpecServeConfig(StrictModel):
         None, description="put the two workers in one placement group with this strategy"
     )
     num_replicas: int = Field(1, ge=1, description="data-parallel replicas, each with its own workers")
-    max_ongoing_requests: int = Field(256, ge=1, description="per replica")
+    limits: Limits = Field(default_factory=Limits, description="what one request may ask; the queue's bound")
     default_max_tokens: int = Field(512, ge=1, description="when a request sets none")
     proposer_factory: str | None = Field(None, description="'module:callable' building a Proposer (tests)")
     proposer_args: dict = Field({}, description="keyword arguments of proposer_factory")
@@ -147,13 +142,6 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-async def _json(request: Request):
-    try:
-        return await request.json()
-    except ValueError as err:
-        raise RequestError(f"the request body is not valid JSON: {err}") from err
-
-
 def _drafter_dir(cfg: SpecServeConfig):
     from orchestrator.errors import AerieError
     from orchestrator.tracking.store import fetch_drafter
@@ -188,6 +176,14 @@ class SpecServer:
         from orchestrator.runtime.metrics import ServingMetrics
 
         cfg = SpecServeConfig.model_validate(config)
+        api_keys()  # no key configured: the replica does not start (the error says how to set one)
+        if not any(m.cls is Guard for m in api.user_middleware):
+            in_flight = cfg.scheduler.max_batch + cfg.limits.max_queued
+            api.add_middleware(Guard, max_body_bytes=cfg.limits.max_body_bytes, max_in_flight=in_flight)
+        self.limits = cfg.limits
+        # Prompts are tokenized off the event loop (a long one would stall every stream of the replica), in one
+        # thread: a tokenizer is not safe to share between threads.
+        self.tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         model_dir = resolve_model(cfg.model, cfg.models_dir)
         hf = read_hf_config(model_dir)
         self.name = cfg.served_model_name or model_dir.name
@@ -211,32 +207,37 @@ class SpecServer:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        async def build():
-            req = parse(ChatCompletionRequest, await _json(request))
+        def tokenize(req) -> list[int]:
             try:
-                ids = render_chat(self.tokenizer, req.chat())
+                return render_chat(self.tokenizer, req.chat())
             except ValueError as err:
                 raise RequestError(str(err), "messages") from err
-            return req, ids, req.max_completion_tokens or req.max_tokens
 
-        return await self._serve(request, build, chat=True)
+        return await self._serve(request, tokenize, "/v1/chat/completions")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        async def build():
-            req = parse(CompletionRequest, await _json(request))
-            prompt = req.prompt_value()
-            ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
-            if any(not 0 <= t < len(self.tokenizer) for t in ids):
+        def tokenize(req) -> list[int]:
+            prompt = req.prompt
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt)["input_ids"])
+            if any(not 0 <= t < len(self.tokenizer) for t in prompt):
                 raise RequestError("prompt token ids must be within the vocabulary", "prompt")
-            return req, list(ids), req.max_tokens
+            return list(prompt)
 
-        return await self._serve(request, build, chat=False)
+        return await self._serve(request, tokenize, "/v1/completions")
 
     @api.get("/v1/models")
     async def models(self):
         card = {"id": self.name, "object": "model", "created": 0, "owned_by": "aerie", "max_model_len": self.context}
         return {"object": "list", "data": [card]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str):
+        if model != self.name:
+            error = RequestError(f"The model `{model}` does not exist", "model", 404, code="model_not_found")
+            return JSONResponse(error.body(), status_code=404)
+        return (await self.models())["data"][0]
 
     @api.get("/health")
     async def health(self):
@@ -262,19 +263,15 @@ class SpecServer:
 
     # -- generation ------------------------------------------------------------------------------------------
 
-    async def _serve(self, request: Request, build, chat: bool):
+    async def _serve(self, request: Request, tokenize, path: str):
+        chat = path == "/v1/chat/completions"
         try:
-            req, prompt_ids, max_tokens = await build()
-            if req.model != self.name:
-                raise RequestError(
-                    f"The model `{req.model}` does not exist (this server serves `{self.name}`)", "model"
-                )
-            if req.n != 1:
-                raise RequestError("only n=1 is supported", "n")
-            max_tokens = self._max_tokens(len(prompt_ids), max_tokens)
-            params = req.sampling(max_tokens)
+            req = check_request(path, await request.body(), self.limits, self.name)
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize, tokenize, req)
+            asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+            params = req.sampling(self._max_tokens(len(prompt_ids), asked))
         except RequestError as err:
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         self._start()
         handle = self.scheduler.submit(prompt_ids, params)
         text = TextStream(self.tokenizer, params.stop)
@@ -292,6 +289,9 @@ class SpecServer:
             self.started = True
 
     def _max_tokens(self, prompt_len: int, asked: int | None) -> int:
+        cap = self.limits.max_prompt_tokens
+        if cap is not None and prompt_len > cap:
+            raise RequestError(f"the prompt has {prompt_len} tokens; this server takes at most {cap}", "messages")
         room = self.context - prompt_len
         if room < 1:
             raise RequestError(
@@ -343,7 +343,8 @@ def build_app(args: dict) -> serve.Application:
     cfg = SpecServeConfig.model_validate(args)
     deployment = SpecServer.options(
         num_replicas=cfg.num_replicas,
-        max_ongoing_requests=cfg.max_ongoing_requests,
+        # Serve sends a replica more than its Guard admits, so that the excess gets 429 at once (not a queue).
+        max_ongoing_requests=cfg.scheduler.max_batch + cfg.limits.max_queued + 32,
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=10,
     )

@@ -1,9 +1,14 @@
-"""The OpenAI-compatible request/response surface: pydantic request models, error bodies, SSE chunks.
+"""The OpenAI-compatible request/response surface: pydantic request models, limits, error bodies, SSE chunks.
 
 Requests are validated here, before anything is allocated for them; every user mistake (a field out of
-range, a seed torch cannot take, a content part without text, ...) becomes HTTP 400 with OpenAI's error body:
+range, a seed torch cannot take, a content part without text, a field this server does not implement, more
+than the limits allow, ...) becomes a 4xx with OpenAI's error body:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Both backends answer the same requests the same way: the disaggregated server validates with `check_request`
+in its handlers, the vLLM backend in front of vLLM (`serving/guard.py`), so a field that one backend would
+honour and the other drop is refused by both.
 """
 
 from __future__ import annotations
@@ -13,30 +18,89 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from orchestrator.config import StrictModel
 from orchestrator.spec.sampling import SamplingParams
 
 
 class RequestError(Exception):
-    """A request the server refuses: HTTP status + OpenAI error body."""
+    """A request the server refuses: HTTP status + OpenAI error body (+ headers, e.g. Retry-After)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
-        return error_body(self.message, self.kind, self.param)
+        return error_body(self.message, self.kind, self.param, self.code)
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Limits(StrictModel):
+    """What one request may ask and how many a replica holds (the same for both backends)."""
+
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="larger bodies get 413")
+    max_messages: int = Field(512, ge=1, description="messages in one chat request")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="prompt tokens (default: the model's context)")
+    max_tokens: int = Field(4096, ge=1, description="the largest max_tokens a request may ask")
+    max_stop: int = Field(4, ge=0, le=64, description="stop strings per request (OpenAI allows 4)")
+    max_stop_chars: int = Field(256, ge=1, le=4096, description="characters per stop string")
+    max_queued: int = Field(64, ge=0, description="requests a replica holds beyond its batch before answering 429")
+
+
+# OpenAI (and vLLM) request fields this server does not implement, with the values that mean "not used". Any
+# other value is a 400 naming the field; a field OpenAI does not know either is a 400 too (as OpenAI answers).
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "min_tokens": (None, 0),
+    "min_p": (None, 0),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    return (info.context or {}).get("limits") or Limits()
 
 
 class _Common(BaseModel):
     """Sampling fields shared by both endpoints (OpenAI's, plus vLLM's `top_k` and `ignore_eos`)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -53,11 +117,37 @@ class _Common(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v):
+    def _stops(cls, v, info: ValidationInfo):
+        limits = _limits(info)
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes at most 4 non-empty strings")
+        if len(stops) > limits.max_stop or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {limits.max_stop} non-empty strings")
+        if any(len(s) > limits.max_stop_chars for s in stops):
+            raise ValueError(f"a stop string has more than {limits.max_stop_chars} characters")
         return stops
+
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
+    @classmethod
+    def _max_tokens(cls, v, info: ValidationInfo):
+        cap = _limits(info).max_tokens
+        if v is not None and v > cap:
+            raise ValueError(f"at most {cap} tokens per request on this server")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v != 1:
+            raise ValueError("only n=1 is supported: send one request per completion")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v):
+        unknown = set(v or {}) - {"include_usage"}
+        if unknown:
+            raise ValueError(f"unsupported stream_options {sorted(unknown)} (only include_usage)")
+        return v
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (their ranges are checked there: a bad one is a 400 naming it)."""
@@ -80,7 +170,7 @@ class _Common(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict]
@@ -103,6 +193,14 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
+    @field_validator("messages")
+    @classmethod
+    def _count(cls, v, info: ValidationInfo):
+        cap = _limits(info).max_messages
+        if len(v) > cap:
+            raise ValueError(f"at most {cap} messages per request on this server")
+        return v
+
     def chat(self) -> list[dict]:
         role = {"developer": "system"}
         return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
@@ -111,24 +209,69 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
 
-    def prompt_value(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise RequestError("a list of several prompts is not supported: send one request per prompt", "prompt")
-            return self.prompt[0]
-        if not self.prompt:
-            raise RequestError("prompt is empty", "prompt")
-        return self.prompt
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("a list of several prompts is not supported: send one request per prompt")
+            v = v[0]
+        if not v:
+            raise ValueError("prompt is empty")
+        return v
 
 
-def parse(model: type[BaseModel], body) -> BaseModel:
+def parse(model: type[BaseModel], body, limits: Limits | None = None) -> BaseModel:
     """Validate a JSON body; the first problem becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    for key, value in body.items():
+        if key in model.model_fields:
+            continue
+        if key not in UNSUPPORTED:
+            raise RequestError(f"Unrecognized request argument supplied: {key}", key)
+        if not any(type(value) is type(ok) and value == ok or value is ok for ok in UNSUPPORTED[key]):
+            raise RequestError(f"{key} is not supported by this server (leave it out)", key)
+    known = {k: v for k, v in body.items() if k in model.model_fields}
     try:
-        return model.model_validate(body)
+        return model.model_validate(known, context={"limits": limits or Limits()})
     except ValidationError as err:
         raise _request_error(err) from err
+
+
+ENDPOINTS: dict[str, type[_Common]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+
+
+def without_neutral_fields(body: bytes) -> bytes:
+    """The body without the unsupported fields it sets to their neutral value (validated by `check_request`):
+    what an engine that would read them differently (vLLM refuses `tools: []`) gets."""
+    data = json.loads(body)
+    return json.dumps({k: v for k, v in data.items() if k not in UNSUPPORTED}).encode()
+
+
+def check_request(path: str, body: bytes, limits: Limits, served: str | None = None) -> _Common | None:
+    """The request to an OpenAI generation path (None for other paths), validated down to its sampling
+    parameters and, given `served`, its model (404 otherwise): the one check both backends run."""
+    model = ENDPOINTS.get(path)
+    if model is None:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError as err:
+        raise RequestError(f"the request body is not valid JSON: {err}") from err
+    req = parse(model, data, limits)
+    req.sampling(1)  # the ranges of the sampling parameters
+    if served is not None and req.model != served:
+        raise RequestError(
+            f"The model `{req.model}` does not exist (this server serves `{served}`)",
+            "model",
+            404,
+            code="model_not_found",
+        )
+    return req
 
 
 def _request_error(err: ValidationError) -> RequestError:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import time
 import urllib.request
@@ -34,8 +35,9 @@ from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
+from orchestrator.serving.guard import API_KEY_ENV, API_KEY_FILE_ENV, api_keys, default_key_file, ensure_local_key
 from orchestrator.serving.launch import BACKENDS, backend_of, read_serve_config
-from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig
+from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig, forget_routes
 from orchestrator.spec.acceptance import Acceptance
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,9 @@ class DeployConfig(StrictModel):
 
 
 def _get_json(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+    from orchestrator.serving.guard import auth_headers
+
+    with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers()), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -152,27 +156,36 @@ class Rollout:
 
     # -- router --------------------------------------------------------------------------------------------------
 
-    def router_status(self) -> dict | None:
-        """The route table's status; None when this router application is not running."""
+    def table(self, method: str, *args, routes: list[Route] | None = None):
+        """Call the route table; a table found dead is replaced (from the stored routes) and called again."""
         import ray
-        from ray import serve
 
         from orchestrator.serving.router import route_table
 
+        for attempt in range(3):
+            try:
+                return ray.get(getattr(route_table(self.cfg.name, routes), method).remote(*args), timeout=60)
+            except ray.exceptions.RayActorError as err:
+                self.event("route table lost; a new one starts from the stored routes", error=str(err)[:200])
+                if attempt == 2:
+                    raise
+
+    def router_status(self) -> dict | None:
+        """The route table's status; None when this router application is not running."""
+        from ray import serve
+
         if self.cfg.name not in serve.status().applications:
             return None
-        return ray.get(route_table(self.cfg.name).status.remote())
+        return self.table("status")
 
     def set_routes(self, routes: list[Route]) -> None:
         """Point the router at `routes` (deploying the router first if needed); returns once every router
         replica routes by them."""
-        import ray
         from ray import serve
 
-        from orchestrator.serving.router import build_router, route_table
+        from orchestrator.serving.router import build_router
 
-        table = route_table(self.cfg.name, routes)
-        ray.get(table.set_routes.remote([r.model_dump() for r in routes]))
+        self.table("set_routes", [r.model_dump() for r in routes], routes=routes)
         if self.cfg.name not in serve.status().applications:
             cfg = RouterConfig(name=self.cfg.name, routes=routes, upstream=f"http://127.0.0.1:{self.cfg.port}")
             serve.run(
@@ -180,7 +193,7 @@ class Rollout:
             )
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
-            if ray.get(table.status.remote())["replicas_current"]:
+            if self.table("status")["replicas_current"]:
                 self.event("routes", routes={r.app: r.weight for r in routes})
                 return
             time.sleep(0.1)
@@ -243,6 +256,7 @@ def undeploy(name: str) -> None:
         serve.delete(app)
     with contextlib.suppress(ValueError):
         ray.kill(ray.get_actor(f"routes-{name}", namespace="aerie"))
+    forget_routes(name)
 
 
 def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
@@ -260,6 +274,7 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
         from orchestrator.tracking.store import check_model_uri
 
         check_model_uri(version, cfg.tracking_uri)
+    api_keys()  # the backends and the router refuse to start without one; this job calls them with it
     init_ray(cfg.address)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     ro = Rollout(cfg)
@@ -286,13 +301,23 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
             serve.delete(canary.app)
             record.update(decision="failed", reason=str(err))
             return _finish(ro, cfg, record)
-        stable_path = _import_path_of(stable)
-        before = {
-            stable.app: ro.counters(stable.app, stable_path),
-            canary.app: ro.counters(canary.app, import_path),
-        }
-        ro.set_routes([stable.model_copy(update={"weight": 1 - cfg.canary_weight}), canary])
-        watched = _watch(ro, cfg, before, {stable.app: stable_path, canary.app: import_path})
+        except BaseException:
+            serve.delete(canary.app)
+            raise
+        try:
+            stable_path = _import_path_of(stable)
+            before = {
+                stable.app: ro.counters(stable.app, stable_path),
+                canary.app: ro.counters(canary.app, import_path),
+            }
+            ro.set_routes([stable.model_copy(update={"weight": 1 - cfg.canary_weight}), canary])
+            watched = _watch(ro, cfg, before, {stable.app: stable_path, canary.app: import_path})
+        except BaseException as err:  # a failure or an interrupt (Ctrl-C, `ray job stop`) while the canary runs
+            ro.event("interrupted: the stable backend takes all traffic again", error=repr(err)[:300])
+            _retire(ro, stable, canary, serve)
+            record.update(decision="interrupted", reason=repr(err)[:300])
+            _finish(ro, cfg, record)
+            raise
         stable_al, canary_al = watched[stable.app].acceptance_length, watched[canary.app].acceptance_length
         promote = canary_al >= stable_al - cfg.tolerance
         record.update(
@@ -302,13 +327,18 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
         )
         ro.event(record["decision"], reason=record["reason"])
         winner, loser = (canary, stable) if promote else (stable, canary)
-        ro.set_routes([winner.model_copy(update={"weight": 1.0})] + [loser.model_copy(update={"weight": 0.0})])
-        ro.drain(loser.app)
-        ro.set_routes([winner.model_copy(update={"weight": 1.0})])
-        serve.delete(loser.app)
-        ro.event("deleted", app=loser.app)
+        _retire(ro, winner, loser, serve)
         record["app"] = winner.app
     return _finish(ro, cfg, record)
+
+
+def _retire(ro: Rollout, winner: Route, loser: Route, serve) -> None:
+    """All traffic to `winner` first (what an interrupt must not skip), then drain and delete `loser`."""
+    ro.set_routes([winner.model_copy(update={"weight": 1.0}), loser.model_copy(update={"weight": 0.0})])
+    ro.drain(loser.app)
+    ro.set_routes([winner.model_copy(update={"weight": 1.0})])
+    serve.delete(loser.app)
+    ro.event("deleted", app=loser.app)
 
 
 def _replica_actors(app: str) -> list[str]:
@@ -447,9 +477,15 @@ def serve_app(
         app=str(path), app_overrides=list(overrides or []), name=name, address=address, host=host, port=port
     )
     url = f"http://{host}:{port}"
+    if not (address or os.environ.get("RAY_ADDRESS")):
+        written = ensure_local_key()  # a server on this machine: a random key unless one is configured
+        if written is not None:
+            print(f"wrote a new API key to {written}", flush=True)
     log.info("deploying %s at %s", name, url)
     run_rollout(cfg, initial_only=True)
     print(f"serving {name} at {url}", flush=True)
+    if not (os.environ.get(API_KEY_ENV) or os.environ.get(API_KEY_FILE_ENV)):
+        print(f"clients need its API key: export OPENAI_API_KEY=$(cat {default_key_file()})", flush=True)
     if blocking:
         while True:
             time.sleep(3600)

@@ -9,6 +9,13 @@ this node. Weights live in a route table (a detached named actor) that every rou
 (`REPORT_PERIOD_S`), so changing them (`jobs.deploy`) restarts nothing: requests in flight finish where they
 started, new ones follow the new weights.
 
+The routes survive the table's death: every change is written to Ray's GCS key-value store before it takes
+effect, and a table that starts (again) reads them back. Whoever finds the table dead (a router replica, a
+rollout, `/router/status`) starts a new one; meanwhile routers keep routing by the routes they have.
+
+Every route but `/health` needs the API key (`serving/guard.py`); the router forwards the client's
+`Authorization` header, and each backend checks it again (its routes are reachable without the router).
+
 `GET /router/status` reports the routes and, per backend, requests forwarded, in flight and failed (HTTP 5xx
 or a broken connection), summed over the router's replicas: what a rollout watches before it removes a
 backend.
@@ -16,6 +23,7 @@ backend.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -27,6 +35,7 @@ from pydantic import Field
 from ray import serve
 
 from orchestrator.config import StrictModel
+from orchestrator.serving.guard import Guard, api_keys
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +56,60 @@ class RouterConfig(StrictModel):
     name: str = Field(description="the router application's name (names its route table)")
     routes: list[Route] = Field(min_length=1, description="where requests go until the route table says otherwise")
     upstream: str = Field("http://127.0.0.1:8000", description="Serve's HTTP proxy, as seen from the router")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="larger request bodies get 413")
+    num_replicas: int = Field(2, ge=1, description="router replicas (one dying leaves the other routing)")
 
 
 ROUTES_NAMESPACE = "aerie"
 REPORT_PERIOD_S = 0.25
 
 
-@ray.remote(num_cpus=0)
+def _kv_key(name: str) -> bytes:
+    return f"routes/{name}".encode()
+
+
+def stored_routes(name: str) -> dict | None:
+    """{"version", "routes"} of router `name` as last written to the GCS key-value store (None: never)."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(_kv_key(name), namespace=ROUTES_NAMESPACE)
+    return json.loads(raw) if raw else None
+
+
+def forget_routes(name: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(_kv_key(name), namespace=ROUTES_NAMESPACE)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RouteTable:
     """The routes of one router application and the counters its replicas report (a detached named actor:
-    changing routes never restarts a router replica)."""
+    changing routes never restarts a router replica). Routes are kept in the GCS key-value store: a table that
+    (re)starts continues from them, not from `routes` (only the first table's)."""
 
-    def __init__(self, routes: list[dict]) -> None:
-        self.routes, self.version = routes, 1
+    def __init__(self, name: str, routes: list[dict]) -> None:
+        self.name = name
+        stored = stored_routes(name)
+        self.version, self.routes = (stored["version"], stored["routes"]) if stored else (1, routes)
+        if stored is None:
+            self._store()
         self.replicas: dict[str, dict] = {}  # replica -> {"version", "counts", "at"}
 
+    def _store(self) -> None:
+        from ray.experimental import internal_kv
+
+        value = json.dumps({"version": self.version, "routes": self.routes})
+        internal_kv._internal_kv_put(_kv_key(self.name), value, overwrite=True, namespace=ROUTES_NAMESPACE)
+
     def set_routes(self, routes: list[dict]) -> int:
-        self.routes, self.version = routes, self.version + 1
+        previous = self.version, self.routes
+        self.version, self.routes = self.version + 1, routes
+        try:
+            self._store()  # stored first: a table that dies now restarts with these routes
+        except Exception:
+            self.version, self.routes = previous
+            raise
         return self.version
 
     def get(self) -> tuple[int, list[dict]]:
@@ -78,11 +124,12 @@ class RouteTable:
         now = time.monotonic()
         live = {r: v for r, v in self.replicas.items() if now - v["at"] < 5}
         backends: dict[str, dict[str, int]] = {}
-        for rep in self.replicas.values():  # counters of gone replicas still count (requests, failures)
+        for replica, rep in self.replicas.items():  # gone replicas' requests and failures still count
             for app, counts in rep["counts"].items():
                 total = backends.setdefault(app, {"requests": 0, "in_flight": 0, "failed": 0})
                 for key, value in counts.items():
-                    total[key] += value
+                    if key != "in_flight" or replica in live:  # a dead replica's requests are no longer in flight
+                        total[key] += value
         return {
             "version": self.version,
             "routes": self.routes,
@@ -92,10 +139,11 @@ class RouteTable:
 
 
 def route_table(name: str, routes: list[Route] | None = None):
-    """The route table of router application `name` (created with `routes` when missing)."""
+    """The route table of router application `name`: the live one, else a new one (with the stored routes, or
+    `routes` the first time)."""
     return RouteTable.options(
         name=f"routes-{name}", namespace=ROUTES_NAMESPACE, lifetime="detached", get_if_exists=True
-    ).remote([r.model_dump() for r in routes or []])
+    ).remote(name, [r.model_dump() for r in routes or []])
 
 
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -114,6 +162,9 @@ class Router:
         import httpx
 
         self.config = RouterConfig.model_validate(config)
+        api_keys()  # no key configured: the replica does not start (the error says how to set one)
+        if not any(m.cls is Guard for m in router_api.user_middleware):
+            router_api.add_middleware(Guard, max_body_bytes=self.config.max_body_bytes)
         self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=512))
         self.table = route_table(self.config.name, self.config.routes)
         self.version, self.routes = 0, list(self.config.routes)
@@ -132,13 +183,18 @@ class Router:
                     self.routes = [Route.model_validate(r) for r in routes]
                     self.version = version
                     log.info("routes v%d: %s", version, [(r.app, r.weight) for r in self.routes])
-            except Exception as err:  # noqa: BLE001 (the table restarting must not stop routing)
-                log.warning("route table unreachable: %s", err)
+            except Exception as err:  # noqa: BLE001 (a dead table must not stop routing: the routes we have stay)
+                log.warning("route table unreachable (%s): starting a new one from the stored routes", err)
+                self.table = route_table(self.config.name, self.config.routes)
             await asyncio.sleep(REPORT_PERIOD_S)
 
     @router_api.get("/router/status")
     async def status(self) -> dict:
-        return await self.table.status.remote()
+        try:
+            return await self.table.status.remote()
+        except ray.exceptions.RayActorError:
+            self.table = route_table(self.config.name, self.config.routes)
+            return await self.table.status.remote()
 
     @router_api.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request):
@@ -186,4 +242,4 @@ class Router:
 def build_router(args: dict) -> serve.Application:
     """Application builder: `import_path: orchestrator.serving.router:build_router`, args = a RouterConfig."""
     cfg = RouterConfig.model_validate(args)
-    return Router.bind(cfg.model_dump())
+    return Router.options(num_replicas=cfg.num_replicas).bind(cfg.model_dump())

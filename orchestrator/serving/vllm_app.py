@@ -1,7 +1,12 @@
 """The vLLM backend: vLLM's own EAGLE-3 / 3.1 speculative decoding (drafter colocated with the target) served
 by Ray Serve LLM (`ray.serve.llm`), with the same OpenAI surface as the disaggregated backend.
 
-    HTTP ──> OpenAiIngress (Ray Serve LLM) ──> LLMServer replica ──> vLLM AsyncLLM (target + EAGLE drafter)
+    HTTP ──> Guard ──> OpenAiIngress (Ray Serve LLM) ──> LLMServer replica ──> vLLM AsyncLLM (target + EAGLE drafter)
+
+The Guard (`serving/guard.py`) checks the API key, the body size and the replica's queue, and validates each
+request with the disaggregated backend's own check (`protocol.check_request`): a request either backend would
+refuse, or would read differently (a field the disaggregated backend does not implement), is refused by both.
+Only the routes both backends have are exposed: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
 The drafter comes from a directory, an `s3://` prefix or an MLflow model URI (`models:/NAME/VERSION`,
 `models:/NAME@ALIAS`); remote ones are fetched to `drafter_cache_dir` when the application is built (a path
@@ -16,9 +21,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from orchestrator.config import StrictModel
+from orchestrator.serving.protocol import Limits
 
 
 class VllmServeConfig(StrictModel):
@@ -39,8 +45,15 @@ class VllmServeConfig(StrictModel):
     num_cpus: float = Field(1, ge=0, description="CPUs of each replica's placement bundle")
     num_gpus: float = Field(0, ge=0, description="GPUs of each replica's placement bundle")
     num_replicas: int = Field(1, ge=1, description="engine replicas (data parallel)")
-    max_ongoing_requests: int = Field(64, ge=1, description="per replica")
+    limits: Limits = Field(default_factory=Limits, description="what one request may ask; the queue's bound")
     drafter_cache_dir: str = Field("runs/drafter-cache", description="where s3:// and models:/ drafters go")
+
+    @field_validator("limits")
+    @classmethod
+    def _prompt_limit(cls, v: Limits) -> Limits:
+        if v.max_prompt_tokens is not None:
+            raise ValueError("vLLM bounds the prompt by max_model_len: leave limits.max_prompt_tokens unset")
+        return v
 
 
 def llm_config(cfg: VllmServeConfig):
@@ -77,7 +90,7 @@ def llm_config(cfg: VllmServeConfig):
         runtime_env={"env_vars": env},
         deployment_config={
             "num_replicas": cfg.num_replicas,
-            "max_ongoing_requests": cfg.max_ongoing_requests,
+            "max_ongoing_requests": cfg.max_num_seqs + cfg.limits.max_queued,
             "health_check_period_s": 10,
         },
         log_engine_metrics=True,
@@ -86,11 +99,9 @@ def llm_config(cfg: VllmServeConfig):
 
 def build_app(args: dict):
     """Application builder for Serve config files: `import_path: orchestrator.serving.vllm_app:build_app`."""
-    from ray.serve.llm import build_openai_app
+    from orchestrator.serving.vllm_ingress import guarded_openai_app
 
     cfg = VllmServeConfig.model_validate(args)
-    # The ingress only routes HTTP to the engine's replica: no CPU reserved for it (as for SpecServer), so a
-    # small node's CPUs go to the engine's placement bundle.
-    return build_openai_app(
-        {"llm_configs": [llm_config(cfg)], "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
+    return guarded_openai_app(
+        llm_config(cfg), cfg.limits, max_in_flight=cfg.max_num_seqs * cfg.num_replicas + cfg.limits.max_queued
     )

@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import API_KEY, AUTH
 from tests.serving.conftest import QUESTIONS, app_args, deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -61,7 +62,7 @@ def served(serve_session, tiny_chat, references, tmp_path_factory):
         )
     args["scheduler"] = args["scheduler"] | scheduler
     url = deploy("concurrency", args, serve_session)
-    name = httpx.get(f"{url}/v1/models", timeout=300).json()["data"][0]["id"]
+    name = httpx.get(f"{url}/v1/models", timeout=300, headers=AUTH).json()["data"][0]["id"]
     yield url, name, messages, texts
     serve.delete("concurrency")
 
@@ -69,7 +70,7 @@ def served(serve_session, tiny_chat, references, tmp_path_factory):
 def _client(url: str):
     from openai import AsyncOpenAI
 
-    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 async def _chat(client, name: str, messages, stream: bool = False, **kw) -> tuple[str, str, int | None]:
@@ -85,7 +86,7 @@ async def _chat(client, name: str, messages, stream: bool = False, **kw) -> tupl
 
 
 def _acceptance(url: str) -> dict:
-    return httpx.get(f"{url}/stats", timeout=60).json()["acceptance"]
+    return httpx.get(f"{url}/stats", timeout=60, headers=AUTH).json()["acceptance"]
 
 
 def _report(what: str, before: dict, after: dict, seconds: float) -> None:
@@ -96,7 +97,7 @@ def _report(what: str, before: dict, after: dict, seconds: float) -> None:
 
 
 def _slots_free(url: str) -> dict:
-    stats = httpx.get(f"{url}/stats", timeout=60).json()
+    stats = httpx.get(f"{url}/stats", timeout=60, headers=AUTH).json()
     return {side: (s["free"], s["total"]) for side, s in stats["kv_slots"].items()} | {"waiting": stats["waiting"]}
 
 
@@ -161,7 +162,7 @@ def test_hostile_values_get_400_and_leave_every_slot_free(served, case):
     body = {"model": name, "messages": messages[0], "max_tokens": TOKENS} | HOSTILE[case]
 
     async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
             return await asyncio.gather(
                 *[client.post(f"{url}/v1/chat/completions", json=body) for _ in range(2 * MAX_BATCH)]
             )
@@ -171,7 +172,7 @@ def test_hostile_values_get_400_and_leave_every_slot_free(served, case):
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"] and error["param"]
     assert _slots_free(url) == {"target": (MAX_BATCH, MAX_BATCH), "draft": (MAX_BATCH, MAX_BATCH), "waiting": 0}
-    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=60, headers=AUTH).status_code == 200
 
     async def normal():
         async with _client(url) as client:
@@ -180,9 +181,37 @@ def test_hostile_values_get_400_and_leave_every_slot_free(served, case):
     assert asyncio.run(normal())[0] == texts[1]
 
 
+def test_a_full_replica_answers_429_with_retry_after_and_serves_every_request_it_took(served):
+    """max_batch + limits.max_queued (8 + 64) requests in the replica: the rest of a burst of 90 get 429 with
+    Retry-After at once; every request taken gets its exact greedy text, and the refused ones, sent again, too."""
+    url, name, messages, texts = served
+    n = 90
+
+    async def send(client, i):
+        body = {"model": name, "messages": messages[i % 8], "max_tokens": TOKENS, "temperature": 0}
+        return await client.post(f"{url}/v1/chat/completions", json=body | {"ignore_eos": True})
+
+    async def run(indices):
+        limits = httpx.Limits(max_connections=n)
+        async with httpx.AsyncClient(timeout=300, headers=AUTH, limits=limits) as client:
+            return await asyncio.gather(*[send(client, i) for i in indices])
+
+    answers = asyncio.run(run(range(n)))
+    refused = [i for i, r in enumerate(answers) if r.status_code == 429]
+    print(f"\n429 for {len(refused)} of {n}")
+    assert 0 < len(refused) <= n - (MAX_BATCH + 64)  # fewer when some end while the burst arrives
+    assert all(answers[i].headers["retry-after"] == "1" for i in refused)
+    for i, r in enumerate(answers):
+        if i not in refused:
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == texts[i % 8], r.text
+    for i, r in zip(refused, asyncio.run(run(refused)), strict=True):
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == texts[i % 8], r.text
+    assert _slots_free(url) == {"target": (MAX_BATCH, MAX_BATCH), "draft": (MAX_BATCH, MAX_BATCH), "waiting": 0}
+
+
 def test_nan_in_a_raw_body_gets_400(served):
     url, name, messages, _ = served
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}]})
     raw = body[:-1] + ', "temperature": NaN}'
-    r = httpx.post(f"{url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    r = httpx.post(f"{url}/v1/chat/completions", content=raw, headers=AUTH | {"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"

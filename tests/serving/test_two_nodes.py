@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import ray_cli_env, start_ray_head
+from tests.helpers import AUTH, ray_cli_env, start_ray_head
 from tests.serving.conftest import app_args, free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -77,7 +77,7 @@ def test_draft_worker_on_the_draft_node(tiny_chat, tiny_drafter, references, tmp
         for _ in range(300):
             assert server.poll() is None, server.stdout.read()[-3000:]
             try:
-                r = httpx.get(f"{url}/health", timeout=5)
+                r = httpx.get(f"{url}/health", timeout=5, headers=AUTH)
                 if r.status_code == 200:
                     health = r.json()
                     break
@@ -100,9 +100,9 @@ def test_draft_worker_on_the_draft_node(tiny_chat, tiny_drafter, references, tmp
 
         for m, want in zip(references["messages"][:2], references["texts"][:2], strict=True):
             body = {"model": "tiny", "messages": m, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120, headers=AUTH)
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
-        stats = httpx.get(f"{url}/stats").json()
+        stats = httpx.get(f"{url}/stats", headers=AUTH).json()
         assert stats["acceptance"]["draft_tokens"] > 0 and stats["pairs_bytes"] > 0
     finally:
         if server is not None:
