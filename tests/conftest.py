@@ -103,3 +103,12 @@ def s3_env():
     yield env, client
     server.terminate()
     server.wait(timeout=10)
+
+
+@pytest.fixture
+def s3(s3_env, monkeypatch):
+    """boto3 client of moto's bucket, with the AWS environment set for the code under test."""
+    env, client = s3_env
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return client

@@ -8,14 +8,6 @@ from orchestrator.data.storage import LocalStorage, download_prefix, safe_path, 
 from orchestrator.errors import AerieError
 
 
-@pytest.fixture
-def s3(s3_env, monkeypatch):
-    env, client = s3_env
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return client
-
-
 @pytest.mark.parametrize(
     ("name", "ok"),
     [

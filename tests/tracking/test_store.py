@@ -40,14 +40,6 @@ def _leftovers(cache: Path) -> list[Path]:
     return list(cache.rglob(".tmp-*"))
 
 
-@pytest.fixture
-def s3(s3_env, monkeypatch):
-    env, client = s3_env
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return client
-
-
 def _upload(client, prefix: str, weights: bytes) -> None:
     client.put_object(
         Bucket="aerie-test", Key=f"{prefix}/config.json", Body=json.dumps({"architectures": [ARCHITECTURE]})
