@@ -42,8 +42,10 @@ def default_key_file() -> Path:
 def api_keys() -> list[str]:
     """The keys this process accepts (or sends: the first); AerieError when none is configured."""
     keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
-    path = os.environ.get(API_KEY_FILE_ENV) or (None if keys else default_key_file())
-    if path is not None and (os.environ.get(API_KEY_FILE_ENV) or Path(path).is_file()):
+    path = os.environ.get(API_KEY_FILE_ENV)
+    if path is None and not keys and default_key_file().is_file():
+        path = default_key_file()
+    if path:
         try:
             text = Path(path).read_text()
         except OSError as err:

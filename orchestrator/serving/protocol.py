@@ -245,13 +245,6 @@ ENDPOINTS: dict[str, type[_Common]] = {
 }
 
 
-def without_neutral_fields(body: bytes) -> bytes:
-    """The body without the unsupported fields it sets to their neutral value (validated by `check_request`):
-    what an engine that would read them differently (vLLM refuses `tools: []`) gets."""
-    data = json.loads(body)
-    return json.dumps({k: v for k, v in data.items() if k not in UNSUPPORTED}).encode()
-
-
 def check_request(path: str, body: bytes, limits: Limits, served: str | None = None) -> _Common | None:
     """The request to an OpenAI generation path (None for other paths), validated down to its sampling
     parameters and, given `served`, its model (404 otherwise): the one check both backends run."""

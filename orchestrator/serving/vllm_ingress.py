@@ -13,7 +13,7 @@ from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, Open
 from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
 from orchestrator.serving.guard import Guard, api_keys
-from orchestrator.serving.protocol import Limits, check_request, without_neutral_fields
+from orchestrator.serving.protocol import Limits, check_request
 
 # The routes the disaggregated backend has too (and `/health`, open, as there).
 ROUTES = {
@@ -35,8 +35,10 @@ class KeyedIngress(OpenAiIngress):
 
 
 def _check(limits: Limits, served: str, path: str, body: bytes) -> bytes | None:
-    """The disaggregated backend's check; vLLM gets the body without the fields set to their neutral value."""
-    return None if check_request(path, body, limits, served) is None else without_neutral_fields(body)
+    """The disaggregated backend's check; vLLM gets the request as validated (the fields the client set, without
+    those we accept only at their neutral value: vLLM refuses `tools: []`)."""
+    req = check_request(path, body, limits, served)
+    return None if req is None else req.model_dump_json(exclude_unset=True).encode()
 
 
 def guarded_openai_app(llm, limits: Limits, max_in_flight: int) -> serve.Application:
