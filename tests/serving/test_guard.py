@@ -166,3 +166,46 @@ def test_a_check_may_replace_the_body_the_application_gets():
             assert r.status_code == 200 and r.json()["echo"] == {"replaced": True}
 
     asyncio.run(main())
+
+
+def test_clients_that_leave_or_requests_that_fail_give_their_place_back():
+    """The in-flight count returns to 0 whether the response ends, the client leaves mid-stream (send fails) or
+    the application raises: a leaked place would turn every later request into a 429."""
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+        if scope["path"] == "/v1/fails":
+            raise RuntimeError("the application failed")
+        await send({"type": "http.response.body", "body": b""})
+
+    guard = Guard(app, max_in_flight=2)
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "root_path": "",
+        "headers": [(b"authorization", AUTH["Authorization"].encode())],
+    }
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def main():
+        sent = []
+
+        async def send_ok(message):
+            sent.append(message)
+
+        async def send_gone(message):
+            if message["type"] == "http.response.body":
+                raise OSError("the client left")
+
+        await guard(scope | {"path": "/v1/stream"}, receive, send_ok)
+        with pytest.raises(OSError):
+            await guard(scope | {"path": "/v1/stream"}, receive, send_gone)
+        with pytest.raises(RuntimeError):
+            await guard(scope | {"path": "/v1/fails"}, receive, send_ok)
+        assert guard.in_flight == 0 and sent[0]["status"] == 200
+
+    asyncio.run(main())
