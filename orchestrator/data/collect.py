@@ -32,7 +32,6 @@ from orchestrator.data.conversations import (
     split_of,
 )
 from orchestrator.data.shards import (
-    DTYPES,
     Sequence,
     ShardPlan,
     finished_record,
@@ -54,6 +53,7 @@ from orchestrator.data.synthetic import (
 from orchestrator.data.templates import render_conversation
 from orchestrator.errors import AerieError
 from orchestrator.jobrunner import init_ray
+from orchestrator.models.device import DTYPES, DeviceName
 from orchestrator.models.target import default_aux_layer_ids, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class WorkerResources(StrictModel):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. gb200: 1")
     torch_threads: int = Field(2, ge=1)
+    device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
 
 
 class CollectConfig(StrictModel):
@@ -107,6 +108,7 @@ class CollectConfig(StrictModel):
     backend: Literal["target", "vllm"] = Field(
         "target", description="target: the project's model; vllm: vLLM's extract_hidden_states (production on GPU)"
     )
+    tensor_parallel_size: int = Field(1, ge=1, description="backend vllm: devices per capture worker")
     shard_tokens: int = Field(65536, ge=1, description="tokens per shard (whole sequences)")
     batch_tokens: int = Field(4096, ge=1, description="tokens per target forward")
     output: str = Field(description="local directory or s3://bucket/prefix")

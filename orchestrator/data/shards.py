@@ -21,8 +21,6 @@ from safetensors.torch import load as load_safetensors
 from orchestrator.data.storage import Storage
 from orchestrator.models.target import TargetModel
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 @dataclass
 class Sequence:

@@ -9,6 +9,7 @@ final-norm hidden state. Aux layer id k is transformers' `hidden_states[k]`: the
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -60,16 +61,26 @@ def read_hf_config(model_dir: str | Path) -> dict:
         raise AerieError(f"{config_file}: not valid JSON ({err})") from err
 
 
-def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files of a directory (sharded or not)."""
+def load_safetensors_dir(
+    model_dir: str | Path, names: Iterable[str] | None = None, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Tensors of the *.safetensors files of a directory (sharded or not): all of them, or only `names`.
+
+    Only the shards holding a named tensor are opened and only those tensors are read (safetensors maps the
+    file), so a training worker reads the three tensors it needs of a 32B target, not 64 GB."""
+    model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise AerieError(f"{str(model_dir)!r} has no *.safetensors weights")
+    wanted = None if names is None else set(names)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[name] = f.get_tensor(name)
+                if wanted is None or name in wanted:
+                    tensors[name] = f.get_tensor(name)
+    if wanted is not None and wanted - set(tensors):
+        raise AerieError(f"{str(model_dir)!r}: weights {sorted(wanted - set(tensors))[:5]} are missing")
     return tensors
 
 

@@ -34,6 +34,7 @@ from ray import serve
 
 from orchestrator.config import StrictModel
 from orchestrator.data.prompts import render_chat
+from orchestrator.models.device import DeviceName, DtypeName
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.guard import Guard, api_keys
@@ -50,6 +51,7 @@ class WorkerPlacement(StrictModel):
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved")
     resources: dict[str, float] = Field({}, description="custom resources, e.g. {draft: 1} for the draft node group")
     label_selector: dict[str, str] = Field({}, description="Ray node labels the worker must run on")
+    device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
     env_vars: dict[str, str] = Field({}, description="environment of the worker process, e.g. GOMP_SPINCOUNT")
 
@@ -66,6 +68,10 @@ class SpecServeConfig(StrictModel):
     models_dir: str = Field("models", description="where packaged models are prepared")
     drafter: str | None = Field(None, description="drafter: a directory, s3://... or models:/NAME@ALIAS")
     speculation: bool = Field(True, description="False: target-only rounds (the baseline, same code)")
+    dtype: DtypeName = Field("auto", description="weights and KV caches: auto = bfloat16 on CUDA, float32 on CPU")
+    max_model_len: int | None = Field(
+        None, ge=16, description="context per request (prompt + output); sizes the KV caches (default: the model's)"
+    )
     spec: SpecConfig = Field(default_factory=SpecConfig, description="draft tree shape per request")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     target: WorkerPlacement = Field(default_factory=WorkerPlacement)

@@ -45,6 +45,7 @@ class VllmServeConfig(StrictModel):
     num_cpus: float = Field(1, ge=0, description="CPUs of each replica's placement bundle")
     num_gpus: float = Field(0, ge=0, description="GPUs of each replica's placement bundle")
     num_replicas: int = Field(1, ge=1, description="engine replicas (data parallel)")
+    tensor_parallel_size: int = Field(1, ge=1, description="devices per replica (one placement bundle each)")
     limits: Limits = Field(default_factory=Limits, description="what one request may ask; the queue's bound")
     drafter_cache_dir: str = Field("runs/drafter-cache", description="where s3:// and models:/ drafters go")
 
