@@ -75,8 +75,8 @@ def target_states(target: TargetModel, plan: ShardPlan, batch_tokens: int) -> tu
         lengths = torch.tensor([s.input_ids.numel() for s in batch])
         cache = target.new_cache(len(batch), int(lengths.max()))
         out = target(torch.cat([s.input_ids for s in batch]), cache, torch.arange(len(batch)), lengths, logits="none")
-        aux.append(out.aux_hidden)
-        final.append(out.final_hidden)
+        aux.append(out.aux_hidden.cpu())  # a shard is written from host memory
+        final.append(out.final_hidden.cpu())
     return torch.cat(aux), torch.cat(final)
 
 

@@ -74,7 +74,7 @@ class DrafterConfig:
         if variant not in ("eagle3", "eagle3.1"):
             raise AerieError(f"unknown drafter variant {variant!r} (use 'eagle3' or 'eagle3.1')")
         is_31 = variant == "eagle3.1"
-        decoder = DecoderConfig.from_hf(target_hf_config)
+        decoder = DecoderConfig.from_hf(target_hf_config).as_llama()  # always a Llama layer, as vLLM loads it
         fields = {
             "decoder": decoder,
             "num_hidden_layers": 1,
@@ -171,16 +171,21 @@ class Drafter(nn.Module):
             aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux)
 
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
     def new_cache(self, num_slots: int, max_tokens: int | None = None) -> KVCache:
+        """A KV cache on the drafter's device, `num_slots` sequences of at most `max_tokens` tokens each."""
         cfg = self.config.decoder
-        max_tokens = max_tokens or cfg.max_position_embeddings
         return KVCache(
             self.config.num_hidden_layers,
             cfg.num_key_value_heads,
             cfg.head_dim,
             num_slots,
-            max_tokens,
+            max_tokens or cfg.max_position_embeddings,
             self.dtype,
+            device=self.device,
         )
 
     def forward(
@@ -200,7 +205,7 @@ class Drafter(nn.Module):
         previous step's `next_hidden`. Appends to the drafter's KV cache like the target does.
         """
         ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
-        x = self.layers[0].forward_eagle(self.embed(token_ids), hidden, ctx)
+        x = self.layers[0].forward_eagle(self.embed(token_ids.to(self.device)), hidden, ctx)
         for layer in self.layers[1:]:
             x = layer(layer.input_layernorm(x), x, ctx)
         cache.advance(slots, num_tokens)
@@ -214,5 +219,5 @@ class Drafter(nn.Module):
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[N, draft_vocab] -> [N, vocab] with -inf outside the draft vocabulary (what vLLM samples from)."""
         out = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, self.to_target_ids(torch.arange(self.config.draft_vocab_size))] = draft_logits
+        out[:, self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=out.device))] = draft_logits
         return out

@@ -30,13 +30,17 @@ class KVCache:
         max_tokens: int,
         dtype: torch.dtype = torch.float32,
         initial_tokens: int = 256,
+        device: torch.device | str = "cpu",
     ) -> None:
+        """Keys and values live on `device`; the bookkeeping (`lengths`, `block_start`, free slots) stays on the
+        CPU, so the scheduling decisions of a forward never wait for the device."""
         self.num_layers = num_layers
         self.max_tokens = max_tokens
+        self.device = torch.device(device)
         self.capacity = min(initial_tokens, max_tokens)
         shape = (num_slots, num_kv_heads, self.capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # [num_slots]
         self.block_start = torch.zeros(num_slots, dtype=torch.long)  # [num_slots] start of the last append
         self._free = list(range(num_slots - 1, -1, -1))
@@ -80,26 +84,23 @@ class KVCache:
     def append(
         self,
         layer: int,
-        slots: torch.Tensor,
+        write_slot: torch.Tensor,
         write_pos: torch.Tensor,
-        tok_b: torch.Tensor,
+        read_slots: torch.Tensor | slice,
         k_nkd: torch.Tensor,
         v_nkd: torch.Tensor,
         span: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values of one layer and return the batch's keys/values to attend over.
 
-        slots: [B] slot ids; tok_b: [N] batch row of each new token; write_pos: [N] cache index of each;
+        write_slot, write_pos: [N] slot and cache index of each new token (on the cache's device); read_slots:
+        the batch's slots ([B] on the device, or a slice when they are contiguous: a view, no gather);
         k_nkd, v_nkd: [N, kv_heads, head_dim]. Returns keys, values: [B, kv_heads, span, head_dim].
         """
         keys, values = self.keys[layer], self.values[layer]
-        slot_of_tok = slots[tok_b]
-        keys[slot_of_tok, :, write_pos] = k_nkd
-        values[slot_of_tok, :, write_pos] = v_nkd
-        first, count = int(slots[0]), slots.numel()
-        if torch.equal(slots, torch.arange(first, first + count)):
-            return keys[first : first + count, :, :span], values[first : first + count, :, :span]
-        return keys[slots, :, :span], values[slots, :, :span]
+        keys[write_slot, :, write_pos] = k_nkd
+        values[write_slot, :, write_pos] = v_nkd
+        return keys[read_slots, :, :span], values[read_slots, :, :span]
 
     def advance(self, slots: torch.Tensor, num_new: torch.Tensor) -> None:
         """Record that `num_new[i]` tokens were appended to `slots[i]`."""
@@ -121,7 +122,7 @@ class KVCache:
             self.lengths[slot] = start + keep.numel()
             self.block_start[slot] = self.lengths[slot]
         if moves:
-            slot_m, src_m, dst_m = (torch.cat(parts) for parts in zip(*moves, strict=True))  # [M] each
+            slot_m, src_m, dst_m = (torch.cat(parts).to(self.device) for parts in zip(*moves, strict=True))  # [M]
             for cache in (self.keys, self.values):
                 for layer in range(self.num_layers):
                     cache[layer][slot_m, :, dst_m] = cache[layer][slot_m, :, src_m]  # the gather copies first

@@ -12,7 +12,7 @@ sequence that `block_mask` allows (causal by default; a draft tree for verificat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,11 @@ from orchestrator.models.kv_cache import KVCache
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """The shape of a Llama decoder stack (the fields of a Hugging Face `LlamaConfig` that matter here)."""
+    """The shape of a Llama-family decoder stack (the fields of a Hugging Face config that matter here).
+
+    Llama and Mistral are plain; Qwen2 adds a bias to q/k/v only (`qkv_bias`); Qwen3 adds an RMSNorm over
+    head_dim to every query and key head before rope (`qk_norm`). `attention_bias` is Llama's: q, k, v and o.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -36,6 +40,8 @@ class DecoderConfig:
     max_position_embeddings: int
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict) -> DecoderConfig:
@@ -57,7 +63,14 @@ class DecoderConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            qkv_bias=hf.get("model_type") == "qwen2",  # transformers' Qwen2Attention: always, and never on o_proj
+            qk_norm=hf.get("model_type") == "qwen3",
         )
+
+    def as_llama(self) -> DecoderConfig:
+        """This shape without Qwen's q/k/v bias and q/k norms: the decoder of an EAGLE-3 drafter for this target
+        (vLLM's `LlamaForCausalLMEagle3` has neither, and would silently skip such weights)."""
+        return replace(self, qkv_bias=False, qk_norm=False)
 
     def rope_hf_fields(self) -> dict:
         """The rope fields in the layout both transformers and vLLM read."""
@@ -106,10 +119,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class AttentionContext:
-    """Everything attention needs for one forward, computed once and shared by all layers."""
+    """Everything attention needs for one forward, computed once and shared by all layers.
+
+    Sizes and decisions (`span`, `max_new`, whether a mask is needed, whether the slots are contiguous) come
+    from the CPU bookkeeping before anything runs; every tensor here is on the model's device, so no layer
+    waits for the host."""
 
     cache: KVCache
-    slots: torch.Tensor  # [B] cache slot of each sequence
+    read_slots: torch.Tensor | slice  # [B] cache slot of each sequence, or the slice they form
+    write_slot: torch.Tensor  # [N] cache slot of each token
     tok_b: torch.Tensor  # [N] batch row of each token
     tok_t: torch.Tensor  # [N] index of each token within its sequence's new block
     write_pos: torch.Tensor  # [N] cache index each token's key/value goes to
@@ -118,6 +136,7 @@ class AttentionContext:
     mask: torch.Tensor | None  # [B, 1, T, span] bool, None when every key is visible
     span: int  # keys to attend over: max over the batch of (cached + new) tokens
     max_new: int  # T: the longest new block
+    batch: int  # B
 
     @classmethod
     def build(
@@ -130,35 +149,49 @@ class AttentionContext:
         inv_freq: torch.Tensor,
         mask_start: torch.Tensor | None = None,
     ) -> AttentionContext:
-        """Lay out a batch: slots [B], num_tokens [B], positions [N] or None (= cache index), block_mask
-        [B, T, W] bool or None (= causal), mask_start [B] or None (see `_attention_mask`)."""
+        """Lay out a batch: slots [B], num_tokens [B] (CPU), positions [N] or None (= cache index),
+        block_mask [B, T, W] bool or None (= causal), mask_start [B] or None (see `_attention_mask`)."""
+        slots, num_tokens = slots.cpu(), num_tokens.cpu()
         batch = slots.numel()
         cache.reserve(slots, num_tokens)
+        cached_cpu = cache.lengths[slots]  # [B]
         max_new = int(num_tokens.max())
-        tok_b = torch.repeat_interleave(torch.arange(batch), num_tokens)  # [N]
+        span = int((cached_cpu + num_tokens).max())
+        first = int(slots[0])
+        contiguous = torch.equal(slots, torch.arange(first, first + batch))
+        needs_mask = not (block_mask is None and max_new == 1 and bool((cached_cpu == cached_cpu[0]).all()))
+        device, total = cache.device, int(num_tokens.sum())
+        slots, num_tokens, cached = (t.to(device, non_blocking=True) for t in (slots, num_tokens, cached_cpu))
+        tok_b = torch.repeat_interleave(torch.arange(batch, device=device), num_tokens, output_size=total)  # [N]
         starts = torch.cumsum(num_tokens, 0) - num_tokens  # [B]
-        tok_t = torch.arange(tok_b.numel()) - starts[tok_b]  # [N]
-        cached = cache.lengths[slots]  # [B]
+        tok_t = torch.arange(tok_b.numel(), device=device) - starts[tok_b]  # [N]
         write_pos = cached[tok_b] + tok_t
-        if positions is None:
-            positions = write_pos
+        positions = write_pos if positions is None else positions.to(device)
         freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [N, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        span = int((cached + num_tokens).max())
-        mask = _attention_mask(cached, num_tokens, block_mask, mask_start, max_new, span)
-        return cls(cache, slots, tok_b, tok_t, write_pos, emb.cos(), emb.sin(), mask, span, max_new)
+        dtype = cache.keys[0].dtype if cache.keys else emb.dtype  # rope in fp32, applied in the model's dtype
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        mask = None
+        if needs_mask:
+            if block_mask is not None:
+                block_mask = block_mask.to(device)
+            if mask_start is not None:
+                mask_start = mask_start.to(device)
+            mask = _attention_mask(cached, num_tokens, block_mask, mask_start, max_new, span)
+        read = slice(first, first + batch) if contiguous else slots
+        return cls(cache, read, slots[tok_b], tok_b, tok_t, write_pos, cos, sin, mask, span, max_new, batch)
 
     def pad(self, x_nd: torch.Tensor) -> torch.Tensor:
         """Packed rows [N, ...] -> padded [B, T, ...] (zeros in the padding)."""
-        if self.slots.numel() == 1:
+        if self.batch == 1:
             return x_nd.unsqueeze(0)
-        out = x_nd.new_zeros((self.slots.numel(), self.max_new) + tuple(x_nd.shape[1:]))
+        out = x_nd.new_zeros((self.batch, self.max_new) + tuple(x_nd.shape[1:]))
         out[self.tok_b, self.tok_t] = x_nd
         return out
 
     def unpad(self, x_btd: torch.Tensor) -> torch.Tensor:
         """Padded [B, T, ...] -> packed rows [N, ...]."""
-        if self.slots.numel() == 1:
+        if self.batch == 1:
             return x_btd[0]
         return x_btd[self.tok_b, self.tok_t]
 
@@ -170,24 +203,22 @@ def _attention_mask(
     mask_start: torch.Tensor | None,
     max_new: int,
     span: int,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """[B, 1, T, span] bool: query t of sequence b sees key j iff j < start[b] (the shared prefix), or
     start[b] <= j < cached[b] + num_tokens[b] and block_mask[b, t, j - start[b]].
 
     start = mask_start, or cached (then block_mask [B, T, T] covers the new tokens only, causal by default).
     A start below `cached` lets the mask cover speculative entries already in the cache (a draft tree grown
-    one depth per forward). None when every key is visible (plain decoding of equally long sequences).
+    one depth per forward). Built on the device of `cached`.
     """
-    same_length = bool((cached == cached[0]).all())
-    if block_mask is None and max_new == 1 and same_length:
-        return None
+    device = cached.device
     batch = cached.numel()
     start = cached if mask_start is None else mask_start
     if block_mask is None:
         assert mask_start is None, "a mask_start needs an explicit block_mask"
-        block_mask = torch.ones(max_new, max_new, dtype=torch.bool).tril().expand(batch, -1, -1)
+        block_mask = torch.ones(max_new, max_new, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
     width = block_mask.shape[-1]
-    keys = torch.arange(span)  # [span]
+    keys = torch.arange(span, device=device)  # [span]
     prefix = keys[None, :] < start[:, None]  # [B, span]
     offset = keys[None, :] - start[:, None]  # [B, span] column of block_mask
     in_block = (offset >= 0) & (offset < (cached - start + num_tokens)[:, None])
@@ -195,8 +226,8 @@ def _attention_mask(
         block_mask, 2, offset.clamp(0, width - 1)[:, None, :].expand(-1, max_new, -1)
     )  # [B, T, span]
     mask = prefix[:, None, :] | (in_block[:, None, :] & gathered)
-    pad_rows = torch.arange(max_new)[None, :] >= num_tokens[:, None]  # [B, T]
-    mask[pad_rows] = True  # padding queries see everything (their output is dropped): no all-masked NaN rows
+    pad_rows = torch.arange(max_new, device=device)[None, :] >= num_tokens[:, None]  # [B, T]
+    mask = mask | pad_rows[:, :, None]  # padding queries see everything (output dropped): no all-masked NaN rows
     return mask[:, None]
 
 
@@ -210,8 +241,11 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(in_features, qkv_out, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(in_features, qkv_out, bias=cfg.attention_bias or cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        # Qwen3: one RMSNorm over head_dim, shared by all query heads (and one by all key heads), before rope.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_nd: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         n = x_nd.shape[0]
@@ -220,10 +254,12 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)  # [N, heads, hd]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, kv_heads, hd]
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.cos[:, None, :], ctx.sin[:, None, :]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys, values = ctx.cache.append(self.layer_idx, ctx.slots, ctx.write_pos, ctx.tok_b, k, v, ctx.span)
+        keys, values = ctx.cache.append(self.layer_idx, ctx.write_slot, ctx.write_pos, ctx.read_slots, k, v, ctx.span)
         q_bhtd = ctx.pad(q).transpose(1, 2)  # [B, heads, T, hd]
         out = F.scaled_dot_product_attention(q_bhtd, keys, values, attn_mask=ctx.mask, enable_gqa=True)
         out = ctx.unpad(out.transpose(1, 2))  # [N, heads, hd]
@@ -300,24 +336,25 @@ FUSED_PARAMS = {
 def fuse_layer_weights(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """Hugging Face per-projection weights of one layer -> this module's fused ones (q|k|v, gate|up).
 
-    `prefix` is the layer's name prefix (e.g. "model.layers.3."); returned names drop it."""
-    out = {}
+    `prefix` is the layer's name prefix (e.g. "model.layers.3."); returned names drop it. Biases fuse like
+    weights (Qwen2's q|k|v bias). A part without its siblings (a lone q_proj.bias) keeps its own name, so the
+    caller's strict check reports it instead of it being dropped."""
+    out, fused_names = {}, set()
     for fused, parts in FUSED_PARAMS.items():
         for kind in ("weight", "bias"):
             names = [f"{prefix}{p}.{kind}" for p in parts]
             if all(n in tensors for n in names):
                 out[f"{fused}.{kind}"] = torch.cat([tensors[n] for n in names], dim=0)
-    fused_parts = {f"{p}." for parts in FUSED_PARAMS.values() for p in parts}
+                fused_names.update(names)
     for name, tensor in tensors.items():
-        if name.startswith(prefix):
-            local = name[len(prefix) :]
-            if not any(local.startswith(p) for p in fused_parts):
-                out[local] = tensor
+        if name.startswith(prefix) and name not in fused_names:
+            out[name[len(prefix) :]] = tensor
     return out
 
 
 def split_layer_weights(state: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    """This module's fused weights of one layer -> Hugging Face / vLLM per-projection names."""
+    """This module's fused weights of one layer -> Hugging Face / vLLM per-projection names (weights and
+    biases split alike; everything else, e.g. Qwen3's self_attn.q_norm.weight, keeps its name)."""
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}

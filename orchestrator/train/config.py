@@ -78,7 +78,9 @@ class TrainConfig(StrictModel):
     batch_tokens: int = Field(4096, ge=1, description="padded tokens per micro-batch per worker")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps")
     max_time_minutes: float | None = Field(None, gt=0, description="training time budget (resumes included)")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast matmuls (weights stay fp32)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16: autocast matmuls (weights stay fp32); auto: bf16 on GPUs, fp32 on CPUs"
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     num_workers: int = Field(1, ge=1, description="Ray Train workers (DDP: gloo on CPU, NCCL on GPU)")
     worker: WorkerConfig = Field(default_factory=WorkerConfig)

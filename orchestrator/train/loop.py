@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.data.reader import HiddenStateSequence, ShardReader
+from orchestrator.errors import AerieError
 from orchestrator.models.checkpoint import load_drafter
 from orchestrator.models.drafter import DrafterConfig
 from orchestrator.models.init import new_drafter
@@ -79,20 +80,34 @@ def build_model(
 ) -> DraftTrainingModel:
     """A fresh drafter initialised from the target's head and norm (or warm-started), plus frozen pieces."""
     hf = read_hf_config(model_dir)
-    weights = load_safetensors_dir(model_dir)
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]  # no lm_head: tied
+    weights = load_safetensors_dir(model_dir, names, missing_ok=True)  # these three only, not the whole target
+    missing = [n for n in names[:2] if n not in weights]
+    if missing:
+        raise AerieError(f"target {model_dir} has no {missing}: cannot initialise the drafter from it")
     embed = weights["model.embed_tokens.weight"].float()
     head = weights.get("lm_head.weight", embed).float()
     config = DrafterConfig.for_target(hf, aux, vocab.numel(), cfg.drafter.variant, **cfg.drafter.flags())
     drafter = new_drafter(config, head, weights["model.norm.weight"].float(), vocab, cfg.drafter.seed)
     if init_from_dir:
-        warm = load_drafter(init_from_dir)
+        warm = load_drafter(init_from_dir, target_num_layers=hf["num_hidden_layers"])
         drafter.load_state_dict(warm.state_dict())
     return DraftTrainingModel(drafter, embed, head[vocab].clone())
 
 
+def _collective_device() -> torch.device:
+    """Where this process group's collectives run: NCCL only reduces CUDA tensors, gloo CPU ones."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _allreduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over the workers; returns a CPU tensor."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
+        on = t.to(_collective_device())
+        dist.all_reduce(on)
+        return on.cpu()
     return t
 
 
@@ -146,7 +161,8 @@ def train_loop_per_worker(config: dict) -> None:
             progress = load_state(Path(d), drafter, optimizer)
             position = load_position(Path(d), rank)
     model = ray.train.torch.prepare_model(model)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.precision == "bf16" else nullcontext
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
     mlflow = MlflowClient(config["tracking_uri"]) if rank == 0 else None
     run_id = config["run_id"]
 
@@ -165,7 +181,7 @@ def train_loop_per_worker(config: dict) -> None:
     if checkpoint:
         log({"resumed_from_step": progress.step}, progress.step)
     stream = batches(sequence_stream(cfg.data, rank, world, cfg.seed, position), cfg.batch_tokens)
-    window = torch.zeros(3, cfg.ttt_steps)
+    window = torch.zeros(3, cfg.ttt_steps, device=device)  # stays on the device: no host sync per step
     window_tokens, window_began = 0, time.perf_counter()
     began = time.perf_counter() - progress.elapsed_s
     while not _finished(cfg, progress):
@@ -175,13 +191,14 @@ def train_loop_per_worker(config: dict) -> None:
         optimizer.zero_grad(set_to_none=True)
         for micro in range(cfg.optim.grad_accum_steps):
             seqs, position = next(stream)
-            batch = _to(Batch.pad(seqs), device)
+            padded = Batch.pad(seqs)
+            batch = _to(padded, device)
             sync = micro == cfg.optim.grad_accum_steps - 1 or not hasattr(model, "no_sync")
             with nullcontext() if sync else model.no_sync(), autocast():
                 loss, stats = model(batch, cfg.ttt_steps, cfg.step_weight)
             (loss / cfg.optim.grad_accum_steps).backward()
-            window += stats.as_tensor().float().cpu()
-            window_tokens += batch.num_tokens
+            window += stats.as_tensor().float()
+            window_tokens += padded.num_tokens  # counted on the host: no wait for the device
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         progress.step += 1
@@ -212,7 +229,7 @@ def make_optimizer(drafter, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def window_metrics(cfg: TrainConfig, window: torch.Tensor, tokens: int, seconds: float) -> tuple[dict, int]:
     """The logging window's per-step sums [3, steps] and token count, summed over workers, summarised."""
-    reduced = _allreduce(torch.cat([window.flatten(), torch.tensor([float(tokens)])]))
+    reduced = _allreduce(torch.cat([window.flatten().cpu(), torch.tensor([float(tokens)])]))
     tokens = int(reduced[-1])
     metrics = summarise(StepStats.from_tensor(reduced[:-1].view(3, cfg.ttt_steps)))
     metrics["loss"] = float(sum(cfg.step_weight**j * metrics[f"loss_step_{j}"] for j in range(cfg.ttt_steps)))
@@ -230,5 +247,6 @@ def _agreed_elapsed(local_s: float) -> float:
     """Rank 0's clock for everyone, so all workers stop after the same step."""
     t = torch.tensor([local_s], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
+        t = t.to(_collective_device())
         dist.broadcast(t, src=0)
     return float(t)

@@ -92,21 +92,25 @@ def summarise(stats: StepStats) -> dict[str, float]:
 def ttt_loss(
     step_logits: list[torch.Tensor], target_logits: torch.Tensor, batch: Batch, step_weight: float
 ) -> tuple[torch.Tensor, StepStats]:
-    """step_logits: per step [B, T, dv]; target_logits: [B, T, dv] (target head at every position)."""
+    """step_logits: per step [B, T, dv]; target_logits: [B, T, dv] (target head at every position).
+
+    Rows are weighted by a 0/1 mask rather than selected: every shape is known before the data, so the step
+    runs on any device without waiting for it (and on `meta`, where tests check devices)."""
     b, t, _ = target_logits.shape
-    rows = torch.arange(t)
-    total = target_logits.new_zeros(())
+    rows = torch.arange(t, device=target_logits.device)
+    lengths, loss_mask = batch.lengths.to(target_logits.device), batch.loss_mask.to(target_logits.device)
+    total = target_logits.new_zeros((), dtype=torch.float32)
     sums, correct, count = [], [], []
     for j, logits in enumerate(step_logits):
-        valid = (rows + j + 2 < batch.lengths[:, None]) & F.pad(batch.loss_mask[:, j + 2 :], (0, j + 2))  # [B, T]
-        target = F.pad(target_logits[:, j + 1 :], (0, 0, 0, j + 1))[valid].float()  # [n, dv]
-        logq = torch.log_softmax(logits[valid].float(), dim=-1)  # [n, dv]
-        per_row = -(torch.softmax(target, dim=-1) * logq).sum(-1)  # [n]
-        if per_row.numel():
-            total = total + step_weight**j * per_row.mean()
+        valid = (rows + j + 2 < lengths[:, None]) & F.pad(loss_mask[:, j + 2 :], (0, j + 2))  # [B, T]
+        target = F.pad(target_logits[:, j + 1 :], (0, 0, 0, j + 1)).float()  # [B, T, dv]
+        logq = torch.log_softmax(logits.float(), dim=-1)  # [B, T, dv]
+        per_row = torch.where(valid, -(torch.softmax(target, dim=-1) * logq).sum(-1), 0.0)  # [B, T]: 0 if not counted
+        n = valid.sum().float()
+        total = total + step_weight**j * per_row.sum() / n.clamp_min(1.0)
         sums.append(per_row.detach().sum())
-        correct.append((logq.argmax(-1) == target.argmax(-1)).sum().float())
-        count.append(torch.tensor(float(per_row.numel())))
+        correct.append(((logq.argmax(-1) == target.argmax(-1)) & valid).sum().float())
+        count.append(n)
     return total, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(count))
 
 

@@ -106,7 +106,7 @@ def run_training(cfg: TrainConfig) -> dict:
     init_dir, warm_drafter = None, None
     if cfg.drafter.init_from:
         init_dir = str(fetch_drafter(cfg.drafter.init_from, tracking=uri).resolve())
-        warm_drafter = load_drafter(init_dir)
+        warm_drafter = load_drafter(init_dir, target_num_layers=hf["num_hidden_layers"])
         warm = warm_drafter.config
         if (warm.decoder, warm.draft_vocab_size, warm.aux_layer_ids) != (
             config.decoder,
