@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/python -m pip
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: install demo test test-fast lint benchmark drafters
+.PHONY: install demo test test-fast lint benchmark drafters gpu-deps gpu-check
 
 install: $(VENV)/.installed
 
@@ -52,3 +52,16 @@ drafters: install
 	$(PY) -m jobs.train_drafter --config configs/smollm2-135m/train.yaml name=smollm2-eagle3 \
 		drafter.variant=eagle3 output=models/drafters/smollm2-eagle3 mlflow.aliases=[eagle3]
 	$(PY) -m jobs.evaluate_drafter --config configs/smollm2-135m/evaluate.yaml
+
+# The GPU check machine has PyTorch, transformers and safetensors but no network: `make gpu-deps` (here) unpacks
+# pydantic and omegaconf for its Python 3.12 into .gpu-deps (4 MiB), which travels with the tree. `make gpu-check`
+# (there) needs no venv: lossless greedy, 100 bf16 training steps, throughput at batch 1/4/16 (at most 10 min).
+GPU_DEPS := .gpu-deps
+GPU_PY ?= python3
+gpu-deps: install
+	$(PIP) install -q --target $(GPU_DEPS) --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		pydantic omegaconf pyyaml
+
+gpu-check:
+	PYTHONPATH=$(GPU_DEPS):. $(GPU_PY) -m orchestrator.benchmarks.gpu_check $(GPU_CHECK_ARGS)

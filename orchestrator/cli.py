@@ -35,7 +35,7 @@ def _init_drafter(args: argparse.Namespace) -> int:
     from orchestrator.models.init import init_drafter
     from orchestrator.models.target import TargetModel
 
-    target = TargetModel.from_pretrained(args.model)
+    target = TargetModel.from_pretrained(args.model, device="cpu")  # written in float32, whatever runs it
     if not 0 < args.draft_vocab_size <= target.vocab_size:
         raise AerieError(f"--draft-vocab-size must be in 1..{target.vocab_size}")
     draft_vocab = torch.arange(
@@ -115,7 +115,9 @@ def _generate_local(args, tokenizer, eos_ids, prompts, params) -> list[dict]:
     spec = SpecConfig(
         method=args.spec, num_spec_tokens=args.num_spec_tokens, depth=args.depth, topk=args.topk, budget=args.budget
     )
-    engine = load_engine(args.model, args.drafter, spec, args.batch_size, tokenizer, eos_ids)
+    engine = load_engine(
+        args.model, args.drafter, spec, args.batch_size, tokenizer, eos_ids, device=args.device, dtype=args.dtype
+    )
     rows = []
     for g in engine.generate(prompts, params, raise_errors=False):
         if g.error is not None:
@@ -204,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4, help="tree: most draft levels")
     p.add_argument("--topk", type=int, default=4, help="tree: children per expanded node")
     p.add_argument("--budget", type=int, default=16, help="tree: draft tokens verified per request and round")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="local engine: auto = GPU if any")
+    p.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help="auto: bf16 on GPU"
+    )
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="start an OpenAI-compatible server from a Ray Serve config file")

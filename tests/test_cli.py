@@ -128,3 +128,13 @@ def test_prepare_model_is_idempotent(smollm2_dir):
 def test_prompt_longer_than_the_context_is_one_line(tmp_path, smollm2_dir):
     proc, _ = _generate_file(tmp_path, smollm2_dir, '{"prompt": "hello"}\n', "--max-tokens", "9000")
     _assert_one_line_error(proc, "exceeds the context window of 8192")
+
+
+def test_unsupported_target_fails_before_ray_and_names_the_vllm_backend(tmp_path):
+    """A Kimi-K2-class (DeepSeek-V3 architecture) target on the disaggregated backend: one line, no Ray."""
+    model = tmp_path / "kimi"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61}))
+    proc = _aerie("serve", "--config", "configs/smollm2-135m/serve.yaml", f"model={model}", "speculation=false")
+    _assert_one_line_error(proc, "model_type 'deepseek_v3' is not supported by aerie's own target model")
+    assert "use the vLLM backend" in proc.stderr and "Ray" not in proc.stderr

@@ -100,19 +100,25 @@ def load_engine(
     max_batch: int = 16,
     tokenizer=None,
     eos_token_ids: Sequence[int] | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> SpecEngine:
     """An engine over a target directory, speculating with a vLLM-format drafter when one is given (the target
-    then captures the drafter's aux layers)."""
+    then captures the drafter's aux layers). device, dtype: of both models (auto: the GPU in bfloat16 when
+    there is one, else the CPU in float32)."""
     from orchestrator.models.checkpoint import drafter_aux_layer_ids
+    from orchestrator.models.target import read_hf_config
     from orchestrator.models.tokenizer import eos_token_ids as read_eos
     from orchestrator.models.tokenizer import load_tokenizer
 
     if eos_token_ids is None:
         eos_token_ids = read_eos(model_dir, tokenizer if tokenizer is not None else load_tokenizer(model_dir))
-    aux = drafter_aux_layer_ids(drafter_dir) if drafter_dir is not None else None
-    target = TargetWorker(model_dir, eos_token_ids, max_batch, aux_layer_ids=aux)
+    layers = read_hf_config(model_dir)["num_hidden_layers"]
+    aux = drafter_aux_layer_ids(drafter_dir, layers) if drafter_dir is not None else None
+    target = TargetWorker(model_dir, eos_token_ids, max_batch, aux_layer_ids=aux, device=device, dtype=dtype)
     if drafter_dir is None:
         return SpecEngine(target, tokenizer=tokenizer)
     depth, topk, nodes = (spec or SpecConfig()).shape()
-    draft = DraftWorker(load_eagle_proposer(drafter_dir, model_dir, depth, topk, max_batch), max_batch)
+    proposer = load_eagle_proposer(drafter_dir, model_dir, depth, topk, max_batch, device=device, dtype=dtype)
+    draft = DraftWorker(proposer, max_batch)
     return SpecEngine(target, draft, nodes, tokenizer)

@@ -43,6 +43,7 @@ def read_serve_config(path: str | Path, overrides: list[str] | None = None) -> t
         backend = backend_of(app["import_path"])
         if backend == "disaggregated":
             cfg = SpecServeConfig.model_validate(app["args"])
+            _check_target(cfg.model)
             _check_drafter(cfg.drafter if cfg.speculation and cfg.proposer_factory is None else None)
         elif backend == "vllm":
             cfg = VllmServeConfig.model_validate(app["args"])
@@ -54,6 +55,15 @@ def read_serve_config(path: str | Path, overrides: list[str] | None = None) -> t
             raise
         raise AerieError(f"bad override: {err}") from err
     return config, app
+
+
+def _check_target(model: str) -> None:
+    """The disaggregated backend runs the project's own target, which knows a few architectures: a target
+    directory present here is checked before anything starts (its error names the vLLM backend)."""
+    from orchestrator.models.target import check_target_supported, read_hf_config
+
+    if (Path(model) / "config.json").is_file():
+        check_target_supported(read_hf_config(model))
 
 
 def _check_drafter(drafter: str | None) -> None:

@@ -92,7 +92,7 @@ class Verifier:
         if params.seed is not None:
             positions = position + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
             return self.greedy(tree, seeded_choice(probs, params.seed, positions))
-        return self.sample(tree, probs, generator)
+        return self.sample(tree, probs.cpu(), generator)  # request generators are CPU ones, on every device
 
     @staticmethod
     def _children(tree: DraftTree) -> dict[int, list[int]]:

@@ -1,0 +1,398 @@
+"""`make gpu-check`: what only a GPU shows, in one script of at most 10 minutes, with no Ray, vLLM or MLflow
+(the check machine has PyTorch, transformers and safetensors; `make gpu-deps` brings pydantic and omegaconf).
+
+1. lossless: greedy speculative generation (chain and tree) of a tiny random Llama equals transformers'
+   greedy `generate` on the device (float32), and in bfloat16 speculative equals target-only decoding.
+2. training: 100 steps of the TTT objective under bf16 autocast on the device; the loss falls.
+3. throughput: per-user tokens/s of the engine with and without speculation at batch 1/4/16, on a target of
+   Llama-3.1-8B's shape in bf16 whose greedy continuation is known in advance (token i is followed by
+   perm[i], by a wide margin), with a replay proposer that offers that continuation and errs at a set rate;
+   next to transformers' `generate` on a model of the same shape. Runs interleave and repeat; the table gives
+   medians and, for ratios, the range over repeats.
+
+    python -m orchestrator.benchmarks.gpu_check [--device cuda] [--quick] [--out DIR]
+
+`--quick` shrinks every shape so the script runs on a CPU in a minute (the unit test does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 131072,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+SMALL = LLAMA_8B | {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+}
+TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,  # peaked logits: greedy ties are not decided by rounding
+    "tie_word_embeddings": False,
+    "eos_token_id": None,  # transformers' generate runs to max_new_tokens, as the engine with ignore_eos
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tiny_target(out: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def check_lossless(device: torch.device, work: Path, quick: bool) -> dict:
+    """Greedy, fp32: transformers vs the engine target-only, with the EAGLE drafter (chain, tree) and with a
+    replay proposer that offers transformers' continuation and errs (so rounds accept 0..all drafts).
+    bf16: speculative vs target-only on the device (and target-only vs transformers fp32, for scale)."""
+    from transformers import LlamaForCausalLM
+
+    from orchestrator.engine.engine import SpecEngine, load_engine
+    from orchestrator.models.checkpoint import save_drafter
+    from orchestrator.models.init import init_drafter
+    from orchestrator.models.target import TargetModel
+    from orchestrator.runtime.workers import DraftWorker
+    from orchestrator.spec.proposer import SpecConfig
+    from orchestrator.spec.replay import ReplayProposer
+    from orchestrator.spec.sampling import SamplingParams
+
+    model_dir = _tiny_target(work / "tiny")
+    drafter_dir = save_drafter(init_drafter(TargetModel.from_pretrained(model_dir, device="cpu")), work / "drafter")
+    new = 16 if quick else 64
+    gen = torch.Generator().manual_seed(1)
+    lengths = (5, 14) if quick else (5, 9, 14, 21, 30, 47)
+    prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    reference = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device=device), max_new_tokens=new, do_sample=False, pad_token_id=0)
+            reference.append(out[0, len(p) :].tolist())
+    del hf
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    shapes = {"chain": SpecConfig(method="chain", num_spec_tokens=4), "tree": SpecConfig(method="tree")}
+    refs = {"prompts": prompts, "outputs": reference}
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        kw = {"eos_token_ids": [], "device": str(device), "dtype": dtype}
+        plain = load_engine(model_dir, None, max_batch=len(prompts), **kw)
+        base = [g.token_ids for g in plain.generate(prompts, params)]
+        rows.append(_agreement("target-only", dtype, "transformers fp32", base, None, reference))
+        want, against = (reference, "transformers fp32") if dtype == "float32" else (base, "target-only bf16")
+        for name, spec in shapes.items():
+            engine = load_engine(model_dir, drafter_dir, spec, len(prompts), **kw)
+            rows.append(_agreement(f"eagle {name}", dtype, against, *_generate(engine, prompts, params), want))
+            depth, width, nodes = spec.shape()
+            proposer = ReplayProposer(refs, TINY["vocab_size"], depth, width=min(width, 3), accept_rate=0.7)
+            engine = SpecEngine(plain.target, DraftWorker(proposer, len(prompts)), nodes)
+            rows.append(_agreement(f"replay {name}", dtype, against, *_generate(engine, prompts, params), want))
+    return {"tokens_per_prompt": new, "prompts": len(prompts), "rows": rows}
+
+
+def _generate(engine, prompts, params) -> tuple[list[list[int]], float]:
+    gens = engine.generate(prompts, params)
+    accepted = sum(g.acceptance.accepted for g in gens)
+    steps = sum(g.acceptance.drafts for g in gens)
+    return [g.token_ids for g in gens], 1 + accepted / max(1, steps)
+
+
+def _agreement(name: str, dtype: str, against: str, got: list, tau: float | None, want: list | None = None) -> dict:
+    """How many sequences (and tokens, up to the first difference) equal the reference."""
+    equal = sum(a == b for a, b in zip(got, want, strict=True))
+    prefix = 0
+    for a, b in zip(got, want, strict=True):
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
+    return {
+        "path": name,
+        "dtype": dtype,
+        "against": against,
+        "sequences_equal": f"{equal}/{len(want)}",
+        "tokens_before_first_difference": f"{prefix}/{sum(len(w) for w in want)}",
+        "acceptance_length": tau,
+    }
+
+
+def check_training(device: torch.device, work: Path, quick: bool) -> dict:
+    """TTT steps under bf16 autocast on hidden states the tiny target computes on the device."""
+    from orchestrator.models.drafter import DrafterConfig
+    from orchestrator.models.init import new_drafter, target_head_weight
+    from orchestrator.models.target import TargetModel
+    from orchestrator.train.objective import Batch, DraftTrainingModel
+
+    model_dir = work / "tiny"
+    if not model_dir.is_dir():
+        _tiny_target(model_dir)
+    target = TargetModel.from_pretrained(model_dir, dtype="float32", device=device, packed=False)
+    gen = torch.Generator().manual_seed(2)
+    b, t, steps = (4, 32, 20) if quick else (8, 96, 100)
+    ids = torch.randint(3, TINY["vocab_size"], (b, t), generator=gen)
+    cache = target.new_cache(b, t)
+    out = target(ids.flatten(), cache, torch.arange(b), torch.full((b,), t), logits="none")
+    batch = Batch(
+        ids.to(device),
+        torch.ones(b, t, dtype=torch.bool, device=device),
+        torch.full((b,), t, device=device),
+        out.aux_hidden.view(b, t, -1),
+        out.final_hidden.view(b, t, -1),
+    )
+    vocab = torch.arange(TINY["vocab_size"])
+    config = DrafterConfig.for_target(target.hf_config, target.aux_layer_ids, vocab.numel(), "eagle3.1")
+    head = target_head_weight(target).float().cpu()
+    drafter = new_drafter(config, head, target.norm.weight.float().cpu(), vocab)
+    model = DraftTrainingModel(drafter, target.embed_tokens.weight.float().cpu(), head.clone()).to(device)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
+    losses, began = [], time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss, stats = model(batch, 3, 0.8)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    _sync(device)
+    first, last = statistics.mean(losses[:10]), statistics.mean(losses[-10:])
+    acc = (stats.correct / stats.count.clamp_min(1)).tolist()
+    return {
+        "steps": steps,
+        "loss_first10": first,
+        "loss_last10": last,
+        "falls": last < first,
+        "acc_per_step_last": acc,
+        "seconds": time.perf_counter() - began,
+    }
+
+
+def successor_target(hf: dict, device: torch.device, seed: int = 0):
+    """A TargetModel of this shape (bf16) with random weights whose greedy continuation is known: the
+    embedding dominates the residual stream and lm_head row perm[i] is embedding row i, so after token i the
+    argmax is perm[i] by a margin no rounding changes. Returns (model, perm)."""
+    from orchestrator.models.layers import rope_inv_freq
+    from orchestrator.models.target import TargetModel
+
+    with torch.device("meta"):
+        model = TargetModel(hf, dtype=torch.bfloat16)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif "embed" in name or "lm_head" in name:
+                continue
+            else:
+                std = 1e-3 if ("o_proj" in name or "down_proj" in name) else 0.02
+                p.normal_(0.0, std, generator=gen)
+        model.embed_tokens.weight.normal_(0.0, 1.0, generator=gen)
+        perm = torch.randperm(hf["vocab_size"], generator=torch.Generator().manual_seed(seed))
+        model.lm_head.weight.copy_(model.embed_tokens.weight[perm.argsort().to(device)])
+    model.inv_freq = rope_inv_freq(model.cfg).to(device)
+    return model, perm
+
+
+def check_throughput(device: torch.device, quick: bool, repeats: int = 3) -> dict:
+    """Per-user tokens/s: engine target-only, engine + replay proposer (accept rate a, chain of 4), and
+    transformers' generate, at batch 1/4/16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from orchestrator.engine.engine import SpecEngine
+    from orchestrator.runtime.workers import DraftWorker, TargetWorker
+    from orchestrator.spec.replay import ReplayProposer
+    from orchestrator.spec.sampling import SamplingParams
+
+    hf = SMALL if quick else LLAMA_8B
+    prompt_len, new, accept, depth = (32, 32, 0.8, 4) if quick else (128, 128, 0.8, 4)
+    batches = (1, 4) if quick else (1, 4, 16)
+    model, perm = successor_target(hf, device)
+    target = TargetWorker(model, [], max_batch=max(batches), max_model_len=prompt_len + new + depth + 8)
+    hf_cfg = LlamaConfig(**({k: v for k, v in hf.items() if k != "architectures"} | {"eos_token_id": None}))
+    with torch.device(device):
+        reference_model = LlamaForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for batch in batches:
+        prompts = [torch.randint(3, hf["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        continuations = []
+        for p in prompts:
+            token, out = p[-1], []
+            for _ in range(new):
+                token = int(perm[token])
+                out.append(token)
+            continuations.append(out)
+        refs = {"prompts": prompts, "outputs": continuations}
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        plain = SpecEngine(target)
+        spec = SpecEngine(target, DraftWorker(ReplayProposer(refs, hf["vocab_size"], depth, accept_rate=accept)), depth)
+        ids = torch.tensor(prompts, device=device)
+
+        runs = {
+            "engine": functools.partial(_run_engine, device, plain, prompts, params, continuations),
+            "engine+spec": functools.partial(_run_engine, device, spec, prompts, params, continuations),
+            "transformers": functools.partial(_run_transformers, device, reference_model, ids, new),
+        }
+        for fn in runs.values():  # warm-up (allocator, kernels)
+            fn()
+        got: dict[str, list[float]] = {k: [] for k in runs}
+        taus = []
+        for r in range(repeats):
+            order = list(runs)[r % 3 :] + list(runs)[: r % 3]  # interleaved, rotating order
+            for name in order:
+                tps, tau = runs[name]()
+                got[name].append(tps)
+                if tau is not None:
+                    taus.append(tau)
+        ratio_base = [s / b for s, b in zip(got["engine+spec"], got["engine"], strict=True)]
+        ratio_hf = [s / b for s, b in zip(got["engine+spec"], got["transformers"], strict=True)]
+        rows.append(
+            {
+                "batch": batch,
+                "engine_tok_s": statistics.median(got["engine"]),
+                "spec_tok_s": statistics.median(got["engine+spec"]),
+                "transformers_tok_s": statistics.median(got["transformers"]),
+                "spec_over_engine": [statistics.median(ratio_base), min(ratio_base), max(ratio_base)],
+                "spec_over_transformers": [statistics.median(ratio_hf), min(ratio_hf), max(ratio_hf)],
+                "acceptance_length": statistics.mean(taus) if taus else None,
+            }
+        )
+    shape = {k: hf[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    return {"shape": shape, "prompt_tokens": prompt_len, "new_tokens": new, "accept_rate": accept, "rows": rows}
+
+
+def _run_engine(device, engine, prompts, params, continuations) -> tuple[float, float | None]:
+    """Per-user tokens/s of one engine run, and its acceptance length; the output must be the continuation."""
+    _sync(device)
+    began = time.perf_counter()
+    gens = engine.generate(prompts, params)
+    _sync(device)
+    took = time.perf_counter() - began
+    if [g.token_ids for g in gens] != continuations:
+        raise AssertionError("greedy output is not the target's known continuation")
+    accepted = sum(g.acceptance.accepted for g in gens)
+    steps = sum(g.acceptance.drafts for g in gens)
+    return params.max_tokens / took, (1 + accepted / steps) if steps else None
+
+
+def _run_transformers(device, model, ids: torch.Tensor, new: int) -> tuple[float, None]:
+    _sync(device)
+    began = time.perf_counter()
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+        )
+    _sync(device)
+    return new / (time.perf_counter() - began), None
+
+
+def table(result: dict) -> str:
+    header = "| path | dtype | against | sequences equal | tokens before first difference | tau |"
+    lines = ["## lossless (greedy)", header, "|---" * 6 + "|"]
+    for r in result["lossless"]["rows"]:
+        tau = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        row = [r["path"], r["dtype"], r["against"], r["sequences_equal"], r["tokens_before_first_difference"], tau]
+        lines.append("| " + " | ".join(row) + " |")
+    t = result["training"]
+    lines += [
+        "",
+        f"## training: {t['steps']} TTT steps, bf16 autocast: loss {t['loss_first10']:.3f} (first 10) -> "
+        f"{t['loss_last10']:.3f} (last 10), falls: {t['falls']}, {t['seconds']:.1f} s",
+        "",
+    ]
+    th = result["throughput"]
+    lines += [
+        f"## throughput: shape {th['shape']}, bf16, prompt {th['prompt_tokens']} + {th['new_tokens']} tokens, "
+        f"replay proposer accept rate {th['accept_rate']} (chain of 4); per-user tokens/s, medians",
+        "| batch | engine | engine+spec | transformers | spec/engine [min, max] | spec/transformers [min, max] | tau |",
+        "|---" * 7 + "|",
+    ]
+    for r in th["rows"]:
+        a, b = r["spec_over_engine"], r["spec_over_transformers"]
+        tau = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        lines.append(
+            f"| {r['batch']} | {r['engine_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | "
+            f"{a[0]:.2f} [{a[1]:.2f}, {a[2]:.2f}] | {b[0]:.2f} [{b[1]:.2f}, {b[2]:.2f}] | {tau} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small shapes (a CPU smoke run)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs/gpu-check"))
+    parser.add_argument("--skip", nargs="*", default=[], choices=("lossless", "training", "throughput"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons mean fp32
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    result: dict = {"env": env}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name, fn in (
+            ("lossless", lambda: check_lossless(device, work, args.quick)),
+            ("training", lambda: check_training(device, work, args.quick)),
+            ("throughput", lambda: check_throughput(device, args.quick)),
+        ):
+            if name in args.skip:
+                continue
+            began = time.perf_counter()
+            result[name] = fn()
+            print(f"{name}: done in {time.perf_counter() - began:.0f} s", flush=True)
+            (out / "gpu-check.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not args.skip:
+        text = table(result)
+        (out / "gpu-check.md").write_text(text + "\n")
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

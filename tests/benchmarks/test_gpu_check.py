@@ -1,0 +1,65 @@
+"""`make gpu-check` runs on a GPU machine only; here its pieces run small on the CPU, in bf16 (the dtype the
+GPU runs), so the script does not rot between GPU sessions."""
+
+from __future__ import annotations
+
+import torch
+
+from orchestrator.benchmarks.gpu_check import SMALL, _run_engine, successor_target, table
+from orchestrator.engine.engine import SpecEngine
+from orchestrator.runtime.workers import DraftWorker, TargetWorker
+from orchestrator.spec.replay import ReplayProposer
+from orchestrator.spec.sampling import SamplingParams
+
+
+def test_successor_target_continuation_is_known_and_speculation_keeps_it_in_bf16():
+    """The throughput target's greedy continuation is perm[...] by a wide margin, so the replay proposer can
+    offer it; in bf16 the engine emits exactly it, target-only and speculative (chain of 4, 80% accepted)."""
+    shape = SMALL | {"num_hidden_layers": 8, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256}
+    shape |= {"head_dim": 32}
+    model, perm = successor_target(shape, torch.device("cpu"))
+    assert model.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (6, 11, 3)]
+    continuations = []
+    for p in prompts:
+        token, out = p[-1], []
+        for _ in range(12):
+            token = int(perm[token])
+            out.append(token)
+        continuations.append(out)
+    target = TargetWorker(model, [], max_batch=3, max_model_len=64)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    _, tau = _run_engine(torch.device("cpu"), SpecEngine(target), prompts, params, continuations)
+    assert tau is None
+    refs = {"prompts": prompts, "outputs": continuations}
+    spec = SpecEngine(target, DraftWorker(ReplayProposer(refs, 512, 4, accept_rate=0.8), 3), 4)
+    _, tau = _run_engine(torch.device("cpu"), spec, prompts, params, continuations)
+    assert tau > 1.5
+
+
+def test_table_renders_every_section():
+    row = {"sequences_equal": "2/2", "tokens_before_first_difference": "32/32", "acceptance_length": 2.5}
+    result = {
+        "lossless": {"rows": [row | {"path": "replay chain", "dtype": "float32", "against": "transformers fp32"}]},
+        "training": {"steps": 100, "loss_first10": 9.0, "loss_last10": 3.0, "falls": True, "seconds": 12.0},
+        "throughput": {
+            "shape": {"hidden_size": 4096},
+            "prompt_tokens": 128,
+            "new_tokens": 128,
+            "accept_rate": 0.8,
+            "rows": [
+                {
+                    "batch": 1,
+                    "engine_tok_s": 40.0,
+                    "spec_tok_s": 100.0,
+                    "transformers_tok_s": 30.0,
+                    "spec_over_engine": [2.5, 2.4, 2.6],
+                    "spec_over_transformers": [3.3, 3.2, 3.4],
+                    "acceptance_length": 3.3,
+                }
+            ],
+        },
+    }
+    text = table(result)
+    assert "| replay chain | float32 |" in text and "falls: True" in text and "| 1 | 40.0 | 100.0 | 30.0 |" in text
