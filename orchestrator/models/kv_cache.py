@@ -37,7 +37,9 @@ class KVCache:
         self.num_layers = num_layers
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        self.capacity = min(initial_tokens, max_tokens)
+        # On a GPU the whole cache is taken up front (slots x max_tokens): memory is known at start-up, and
+        # growing would briefly need the old and the new cache at once. On the CPU it grows on demand.
+        self.capacity = max_tokens if self.device.type == "cuda" else min(initial_tokens, max_tokens)
         shape = (num_slots, num_kv_heads, self.capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
