@@ -155,7 +155,8 @@ def scheduler_delta(before: dict, after: dict) -> dict:
         "acceptance_length": acceptance.acceptance_length,
         "drafted_share": acceptance.drafts / max(1, d.get("batch", 0)),
         "acceptance_rate": acceptance.accepted / max(1, acceptance.draft_tokens),
-        "bytes_per_round": d.get("pairs_bytes", 0) / rounds,
+        "target_to_draft_bytes_per_round": d.get("target_to_draft_bytes", 0) / rounds,
+        "draft_to_target_bytes_per_round": d.get("draft_to_target_bytes", 0) / rounds,
     }
     for side in ("draft", "verify"):
         calls = d.get(f"{side}_calls", 0)

@@ -5,19 +5,60 @@ worker to the other as Ray objects without passing through it:
     scheduler ──NewSequence / keep──> TargetWorker ──RoundOutput──> scheduler
                                            └──Pairs──────────────────────> DraftWorker ──DraftOutput──> scheduler
                                                          TargetWorker <──trees── ┘
+
+Every message, and anything else that travels (a `DraftTree`, a `keep` dict), has a size in bytes by one rule,
+`payload_nbytes`: tensor data plus small fixed sizes for the other fields (Ray's pickle framing not counted).
+The scheduler counts the bytes that go between the two workers with it (`runtime/metrics.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+from pydantic import BaseModel
 
 from orchestrator.spec.sampling import SamplingParams
 
 
+def payload_nbytes(obj) -> int:
+    """Bytes of what travels: a tensor's data (elements x element size), 8 per int or float, 1 per bool, a
+    string's UTF-8 length, summed through dataclasses, pydantic models, lists, tuples and dicts (keys too).
+
+        Pairs(["r1"], [2], tokens [2] int64, aux [2, 1728] float32) -> 2 + 8 + 2*8 + 2*1728*4 = 13850
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if obj is None:
+        return 0
+    if isinstance(obj, bool):
+        return 1
+    if isinstance(obj, int | float):
+        return 8
+    if isinstance(obj, str):
+        return len(obj.encode())
+    if isinstance(obj, dict):
+        return sum(payload_nbytes(k) + payload_nbytes(v) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return sum(payload_nbytes(x) for x in obj)
+    if dataclasses.is_dataclass(obj):
+        return sum(payload_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, BaseModel):
+        return sum(payload_nbytes(getattr(obj, name)) for name in type(obj).model_fields)
+    raise TypeError(f"payload_nbytes: no size rule for {type(obj).__name__}")
+
+
+class Message:
+    """A message between the scheduler and the workers: `nbytes` is its size (`payload_nbytes`)."""
+
+    @property
+    def nbytes(self) -> int:
+        return payload_nbytes(self)
+
+
 @dataclass
-class Pairs:
+class Pairs(Message):
     """Target states for the drafter, packed across requests: `[a1 a2 a3 | b1 | c1 c2]`. Pair i of a request
     is the aux hidden state at its position i and the token at position i+1."""
 
@@ -25,10 +66,6 @@ class Pairs:
     counts: list[int]  # pairs per request
     tokens: torch.Tensor  # [M] x[t+1]
     aux: torch.Tensor  # [M, k * hidden] aux hidden states at t
-
-    @property
-    def nbytes(self) -> int:
-        return self.tokens.nelement() * self.tokens.element_size() + self.aux.nelement() * self.aux.element_size()
 
     def split(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out, offset = {}, 0
@@ -49,14 +86,14 @@ class Pairs:
 
 
 @dataclass
-class NewSequence:
+class NewSequence(Message):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
 
 
 @dataclass
-class SeqUpdate:
+class SeqUpdate(Message):
     """What one request got from a target call: tokens and maybe a finish reason, or an error."""
 
     request_id: str
@@ -70,7 +107,7 @@ class SeqUpdate:
 
 
 @dataclass
-class RoundOutput:
+class RoundOutput(Message):
     """A target call: per-request updates, where the time went (wall-clock stamps for the timeline), and the
     target's KV slots afterwards."""
 
@@ -78,12 +115,12 @@ class RoundOutput:
     verified_tokens: int
     compute_s: float
     started: float
-    pairs_bytes: int
+    pairs_bytes: int  # the Pairs returned with it (they go to the draft worker)
     free_slots: int
 
 
 @dataclass
-class TreeSketch:
+class TreeSketch(Message):
     """A draft tree as the scheduler sees it: enough to pick nodes by expected acceptance."""
 
     parents: torch.Tensor  # [n]
@@ -91,12 +128,13 @@ class TreeSketch:
 
 
 @dataclass
-class DraftOutput:
+class DraftOutput(Message):
     sketches: dict[str, TreeSketch]
     compute_s: float
     started: float
-    pairs_bytes: int
+    pairs_bytes: int  # the Pairs this call read (sent by the target worker)
     incarnation: str  # differs after the actor restarted (its caches are then empty)
     seen: dict[str, int]  # pairs the drafter holds per drafted request
     retired: list[str]  # requests past the drafter's context: never drafted again
     free_slots: int
+    trees_bytes: int  # the trees returned with it (they go to the target worker)

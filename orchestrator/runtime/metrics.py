@@ -19,6 +19,7 @@ every metric is tagged with the application's `model`). Grafana panels read thes
 | aerie_ttft_s | histogram | submit -> first token |
 | aerie_itl_s | histogram | time between tokens of one request (a round's gap split over its tokens) |
 | aerie_errors_total | counter, tag `kind` | errors: `target_died`, `timeout`, `internal` (requests), `draft_died` |
+| aerie_worker_transfer_bytes_total | counter, tag `direction` | bytes sent `target_to_draft` / `draft_to_target` |
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class ServingMetrics:
         self.ttft = hist("aerie_ttft_s", "time to first token", LATENCY_BOUNDS)
         self.itl = hist("aerie_itl_s", "inter-token latency", LATENCY_BOUNDS)
         self.errors = counter("aerie_errors_total", "errors", ("kind",))
+        self.transfer_bytes = counter("aerie_worker_transfer_bytes_total", "bytes between the workers", ("direction",))
 
     def slots(self, free: dict[str, int], total: int) -> None:
         for worker, n in free.items():

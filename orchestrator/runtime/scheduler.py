@@ -247,12 +247,12 @@ class SpecScheduler:
         group = self.groups[g]
         ids = list(group.requests)
         round_began = time.perf_counter()
-        trees_ref, sketches, predicted = None, {}, 0.0
+        trees_ref, sketches, predicted, trees_bytes = None, {}, 0.0, 0
         draftable = any(r.draftable for r in group.requests.values())
         if self.draft_alive and draftable and (not self.cfg.adaptive or group.modes.choose(len(ids))):
             drafted = await self._draft(g)
             if drafted is not None:
-                sketches, trees_ref = drafted
+                sketches, trees_ref, trees_bytes = drafted
         ids = [rid for rid in ids if rid in group.requests]  # requests that ended meanwhile are not verified
         if not ids:
             return
@@ -263,6 +263,7 @@ class SpecScheduler:
             chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead)
             keep.update(zip(have, chosen, strict=True))
         began = time.perf_counter()
+        self._transfer("draft_to_target", trees_bytes)
         try:
             out, pairs = await self.target.call("verify", keep, trees_ref, returns=2)
         except (WorkerLost, WorkerFailed) as err:
@@ -282,8 +283,8 @@ class SpecScheduler:
         self._deliver(out)
 
     async def _draft(self, g: int):
-        """Draft trees for the group: (sketches, trees ref), or None when the draft worker is gone or failed
-        (the round goes target-only: drafts are an optimisation, never needed for a correct answer)."""
+        """Draft trees for the group: (sketches, trees ref, their bytes), or None when the draft worker is gone or
+        failed (the round goes target-only: drafts are an optimisation, never needed for a correct answer)."""
         group = self.groups[g]
         if group.reset or group.catch_up:
             rs = [r for r in group.requests.values() if r.draftable]
@@ -325,11 +326,11 @@ class SpecScheduler:
         self.totals["draft_calls"] += 1
         self.totals["draft_call_s"] += latency
         self.totals["draft_compute_s"] += out.compute_s
-        self.totals["pairs_bytes"] += out.pairs_bytes
+        self._transfer("target_to_draft", out.pairs_bytes)
         self._span("draft", "draft", g, out.started, out.compute_s, len(rs), 0)
         if self.metrics:
             self.metrics.draft_latency.observe(latency)
-        return {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}, trees_ref
+        return {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}, trees_ref, out.trees_bytes
 
     def _node_cap(self, r: Request) -> int:
         """Never draft past max_tokens: a round emits at most (nodes on the path) + 1 tokens."""
@@ -486,6 +487,12 @@ class SpecScheduler:
             {"name": name, "worker": worker, "group": g, "ts": started, "dur": dur, "batch": batch, "tokens": tokens}
         )
 
+    def _transfer(self, direction: str, nbytes: int) -> None:
+        """Bytes one worker sends the other: `target_to_draft` (Pairs), `draft_to_target` (draft trees)."""
+        self.totals[f"{direction}_bytes"] += nbytes
+        if self.metrics and nbytes:
+            self.metrics.transfer_bytes.inc(nbytes, {"direction": direction})
+
     def _gauges(self) -> None:
         if self.metrics:
             self.metrics.queue_depth.set(len(self.waiting))
@@ -536,6 +543,10 @@ class SpecScheduler:
             "running": running,
             "waiting": len(self.waiting),
             "kv_slots": slots,
+            "transfer_bytes_per_round": {  # mean over target rounds (prefills' pairs included)
+                d: self.totals[f"{d}_bytes"] / max(1, self.totals["rounds"])
+                for d in ("target_to_draft", "draft_to_target")
+            },
         }
 
 
@@ -553,6 +564,8 @@ _TOTALS = (
     "verify_call_s",
     "verify_compute_s",
     "pairs_bytes",
+    "target_to_draft_bytes",
+    "draft_to_target_bytes",
     "target_failures",
     "draft_failures",
 )

@@ -27,8 +27,17 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.errors import AerieError
 from orchestrator.models.target import TargetModel
-from orchestrator.runtime.messages import DraftOutput, NewSequence, Pairs, RoundOutput, SeqUpdate, TreeSketch
+from orchestrator.runtime.messages import (
+    DraftOutput,
+    NewSequence,
+    Pairs,
+    RoundOutput,
+    SeqUpdate,
+    TreeSketch,
+    payload_nbytes,
+)
 from orchestrator.spec.proposer import ProposeItem, Proposer
 from orchestrator.spec.sampling import SamplingParams, new_generator
 from orchestrator.spec.tree import DraftTree, pack_trees
@@ -72,15 +81,21 @@ class TargetWorker:
         aux_layer_ids: Sequence[int] | None = None,
         torch_threads: int | None = None,
         verifier: Verifier | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
     ) -> None:
-        """model: a loaded TargetModel (in-process) or its directory (a Ray actor loads it on its node)."""
+        """model: a loaded TargetModel (in-process) or its directory (a Ray actor loads it on its node, onto
+        `device` in `dtype`: auto = its GPU in bfloat16 when it has one). max_model_len: tokens per request
+        (prompt + output) the KV caches are sized for (default: the model's context)."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         if isinstance(model, str | Path):
-            model = TargetModel.from_pretrained(model, aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else None)
+            aux = tuple(aux_layer_ids) if aux_layer_ids else None
+            model = TargetModel.from_pretrained(model, aux_layer_ids=aux, dtype=dtype, device=device)
         self.model = model
         self.max_batch = max_batch
-        self.cache = model.new_cache(max_batch)
+        self.cache = model.new_cache(max_batch, max_model_len)
         self.context = self.cache.max_tokens
         self.width = model.hidden_size * len(model.aux_layer_ids)
         self.eos_ids = frozenset(eos_token_ids)
@@ -145,7 +160,7 @@ class TargetWorker:
                 offset += len(s.prompt_ids)
                 try:
                     token = self.verifier.verify(DraftTree.empty(), out.logits[row : row + 1], q.params, q.generator, 0)
-                    pair = (torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.clone())
+                    pair = (torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.to("cpu", copy=True))
                     updates.append(self._emit(s.request_id, q, [token.next_token], pair, parts))
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
                     updates.append(self._fail(s.request_id, err))
@@ -184,7 +199,8 @@ class TargetWorker:
                     kept = torch.tensor([0] + [1 + i for i in verdict.accepted])
                     compact[q.slot] = kept
                     emitted = [int(tree.tokens[i]) for i in verdict.accepted] + [verdict.next_token]
-                    pair = (torch.tensor(emitted), out.aux_hidden[rows][kept].clone())
+                    aux = out.aux_hidden[rows][kept.to(out.aux_hidden.device)]
+                    pair = (torch.tensor(emitted), aux.to("cpu", copy=True))  # what the draft side is sent
                     update = self._emit(rid, q, emitted, pair, parts)
                     update.drafted, update.accepted = tree.size, len(verdict.accepted)
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
@@ -270,10 +286,20 @@ class DraftWorker:
     def __init__(
         self, proposer: Proposer | Callable[[], Proposer], max_requests: int = 16, torch_threads: int | None = None
     ) -> None:
-        """proposer: the proposer (in-process) or a factory that builds it (a Ray actor builds it on its node)."""
+        """proposer: the proposer (in-process) or a factory that builds it (a Ray actor builds it on its node,
+        fetching the drafter there). A factory that fails leaves a worker whose `ready()` and `propose()` raise
+        its error in one line (the traceback is logged): the replica reports it instead of waiting."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self.proposer = proposer if hasattr(proposer, "propose") else proposer()
+        self.error: str | None = None
+        if hasattr(proposer, "propose"):
+            self.proposer = proposer
+        else:
+            try:
+                self.proposer = proposer()
+            except Exception as err:  # noqa: BLE001 (kept and raised by ready(), see above)
+                log.exception("the draft worker could not build its proposer")
+                self.proposer, self.error = None, " ".join(f"{type(err).__name__}: {err}".split())
         self.max_requests = max_requests
         self.max_context: int | None = getattr(self.proposer, "max_context", None)
         self.depth: int = getattr(self.proposer, "depth", 0)
@@ -286,7 +312,12 @@ class DraftWorker:
     def free_slots(self) -> int:
         return self.max_requests - len(self.generators)
 
+    def _check_built(self) -> None:
+        if self.error is not None:
+            raise AerieError(f"the draft worker (node {_identity()['node_id']}) has no proposer: {self.error}")
+
     def ready(self) -> dict:
+        self._check_built()
         return _identity() | {
             "free_slots": self.free_slots,
             "max_requests": self.max_requests,
@@ -301,6 +332,7 @@ class DraftWorker:
         """requests: (request_id, params, most nodes); pairs: `Pairs` (or Ray refs to them) not yet drafted
         from, oldest first; reset: requests whose pairs are their whole history again (forget them first).
         Pairs of requests not drafted now (ended meanwhile) are dropped."""
+        self._check_built()
         began, stamp = time.perf_counter(), time.time()
         self.release(list(reset))
         if any(not isinstance(p, Pairs) for p in pairs):
@@ -343,6 +375,7 @@ class DraftWorker:
             {rid: self.seen[rid] for rid in trees},
             retired,
             self.free_slots,
+            payload_nbytes(trees),
         )
         return out, trees
 

@@ -9,7 +9,9 @@ A token's path: this file (the request is parsed and validated by `protocol.py`,
 stop strings) to the SSE chunks or the JSON response here.
 
 Each replica owns one TargetWorker and one DraftWorker, placed by resources, custom resources (`target`,
-`draft`), node labels or a placement group; more replicas serve in parallel (data parallel). Endpoints:
+`draft`), node labels or a placement group; more replicas serve in parallel (data parallel). The replica
+pins the drafter (a directory, s3:// or models:/) and reads only its config.json, to have the target capture
+its aux layers; the DraftWorker fetches that exact version on its own node (`tracking/store.py`). Endpoints:
 `/v1/chat/completions`, `/v1/completions` (SSE streaming or not), `/v1/models`, `/health` (503 when the
 target cannot admit work), and `/stats` (the scheduler's totals, KV slots, queue, and the round timeline,
 for benchmarks and rollouts). Every route but `/health` needs an API key, and a replica holds at most
@@ -34,12 +36,14 @@ from ray import serve
 
 from orchestrator.config import StrictModel
 from orchestrator.data.prompts import render_chat
+from orchestrator.errors import AerieError
 from orchestrator.models.device import DeviceName, DtypeName
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.guard import Guard, api_keys
 from orchestrator.serving.protocol import Chunker, Limits, RequestError, check_request, error_body, sse, usage
 from orchestrator.spec.proposer import SpecConfig
+from orchestrator.tracking.store import DrafterRef
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,12 @@ class WorkerPlacement(StrictModel):
     device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
     env_vars: dict[str, str] = Field({}, description="environment of the worker process, e.g. GOMP_SPINCOUNT")
+
+    def torch_device(self) -> str:
+        """The worker's torch device: `device`, where auto means its GPU when it reserves one."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if self.num_gpus > 0 else "cpu"
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
@@ -84,13 +94,28 @@ class SpecServeConfig(StrictModel):
     default_max_tokens: int = Field(512, ge=1, description="when a request sets none")
     proposer_factory: str | None = Field(None, description="'module:callable' building a Proposer (tests)")
     proposer_args: dict = Field({}, description="keyword arguments of proposer_factory")
-    drafter_cache_dir: str = Field("runs/drafter-cache", description="where s3:// and models:/ drafters go")
+    drafter_cache_dir: str = Field(
+        "runs/drafter-cache", description="where each draft worker puts s3:// and models:/ drafters, on its node"
+    )
+
+
+def context_length(max_model_len: int | None, hf: dict) -> int:
+    """Tokens per request (prompt + output): the configured max_model_len, at most the model's context."""
+    model_max = int(hf.get("max_position_embeddings", 2048))
+    if max_model_len is None:
+        return model_max
+    if max_model_len > model_max:
+        raise AerieError(f"max_model_len {max_model_len} exceeds the model's context of {model_max} tokens")
+    return max_model_len
 
 
 class _Workers:
     """The replica's two actors (created here, owned by the replica: they go when it goes)."""
 
-    def __init__(self, cfg: SpecServeConfig, model_dir: str, aux_ids: list[int], eos: list[int]) -> None:
+    def __init__(
+        self, cfg: SpecServeConfig, model_dir: str, aux_ids: list[int], eos: list[int], drafter: DrafterRef | None
+    ) -> None:
+        """drafter: the pinned drafter the draft worker fetches on its node (None: `proposer_factory` builds)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -127,7 +152,16 @@ class _Workers:
         self.target = (
             ray.remote(TargetWorker)
             .options(**options["target"])
-            .remote(model_dir, eos, max_batch, aux_ids, cfg.target.torch_threads)
+            .remote(
+                model_dir,
+                eos,
+                max_batch,
+                aux_ids,
+                cfg.target.torch_threads,
+                device=cfg.target.torch_device(),
+                dtype=cfg.dtype,
+                max_model_len=cfg.max_model_len,
+            )
         )
         self.draft = None
         if cfg.speculation:
@@ -135,12 +169,24 @@ class _Workers:
             if cfg.proposer_factory:
                 factory = functools.partial(_import(cfg.proposer_factory), **cfg.proposer_args)
             else:
-                factory = functools.partial(load_eagle_proposer, cfg.drafter, model_dir, depth, topk, max_batch)
+                factory = functools.partial(
+                    load_eagle_proposer,
+                    drafter,
+                    model_dir,
+                    depth,
+                    topk,
+                    max_batch,
+                    cache_dir=cfg.drafter_cache_dir,
+                    aux_layer_ids=aux_ids,
+                    device=cfg.draft.torch_device(),
+                    dtype=cfg.dtype,
+                    max_model_len=cfg.max_model_len,
+                )
             self.draft = (
                 ray.remote(DraftWorker).options(**options["draft"]).remote(factory, max_batch, cfg.draft.torch_threads)
             )
         handles = {"target": self.target, "draft": self.draft}
-        self.info = {role: ray.get(h.ready.remote(), timeout=600) for role, h in handles.items() if h is not None}
+        self.info = {role: _ready(role, h) for role, h in handles.items() if h is not None}
 
 
 def _import(path: str):
@@ -148,15 +194,30 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _drafter_dir(cfg: SpecServeConfig):
+def _ready(role: str, handle) -> dict:
+    """A worker's `ready()` answer; a worker that cannot serve (a drafter that does not load on its node) is an
+    AerieError of one line (its traceback is in the worker's log)."""
+    import ray
+
     from orchestrator.errors import AerieError
-    from orchestrator.tracking.store import fetch_drafter
+
+    try:
+        return ray.get(handle.ready.remote(), timeout=600)
+    except ray.exceptions.RayTaskError as err:
+        raise AerieError(f"{role} worker: {err.cause}") from None
+
+
+def _drafter_ref(cfg: SpecServeConfig) -> DrafterRef:
+    """The drafter pinned to its exact version; only its config.json is read here (the draft worker fetches
+    the weights on its own node, into its `drafter_cache_dir`)."""
+    from orchestrator.errors import AerieError
+    from orchestrator.tracking.store import read_drafter_ref
 
     if cfg.drafter is None:
         raise AerieError(
             "speculation=true needs a drafter (a directory, s3://... or models:/...), or speculation=false"
         )
-    return fetch_drafter(cfg.drafter, cfg.drafter_cache_dir)
+    return read_drafter_ref(cfg.drafter)
 
 
 def _error_body(event) -> dict:
@@ -174,7 +235,7 @@ class SpecServer:
     """OpenAI-compatible ingress over a SpecScheduler and its two workers."""
 
     def __init__(self, config: dict) -> None:
-        from orchestrator.models.checkpoint import drafter_aux_layer_ids
+        from orchestrator.models.checkpoint import drafter_config_from_hf
         from orchestrator.models.prepare import resolve_model
         from orchestrator.models.target import default_aux_layer_ids, read_hf_config
         from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
@@ -193,15 +254,17 @@ class SpecServer:
         model_dir = resolve_model(cfg.model, cfg.models_dir)
         hf = read_hf_config(model_dir)
         self.name = cfg.served_model_name or model_dir.name
-        self.context = hf["max_position_embeddings"]
+        self.context = context_length(cfg.max_model_len, hf)
         self.default_max_tokens = cfg.default_max_tokens
         self.tokenizer = load_tokenizer(model_dir)
         eos = eos_token_ids(model_dir, self.tokenizer)
         aux = list(default_aux_layer_ids(hf["num_hidden_layers"]))
+        drafter = None
         if cfg.speculation and cfg.proposer_factory is None:
-            cfg = cfg.model_copy(update={"drafter": str(_drafter_dir(cfg))})
-            aux = list(drafter_aux_layer_ids(cfg.drafter))
-        self.workers = _Workers(cfg, str(model_dir), aux, eos)
+            drafter = _drafter_ref(cfg)
+            layers = hf["num_hidden_layers"]  # the target captures exactly the drafter's aux layers:
+            aux = list(drafter_config_from_hf(drafter.config, target_num_layers=layers).aux_layer_ids)
+        self.workers = _Workers(cfg, str(model_dir), aux, eos, drafter)
         timeout = cfg.scheduler.worker_timeout_s
         draft = RemoteWorker(self.workers.draft, timeout) if self.workers.draft is not None else None
         target = RemoteWorker(self.workers.target, timeout)

@@ -17,9 +17,10 @@ verification lossless. Sampling requests draw children from the draft distributi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from pydantic import Field
@@ -29,6 +30,9 @@ from orchestrator.models.drafter import Drafter
 from orchestrator.spec.sampling import SamplingParams
 from orchestrator.spec.tree import BestFirst, DraftTree
 from orchestrator.spec.verify import probabilities
+
+if TYPE_CHECKING:
+    from orchestrator.tracking.store import DrafterRef
 
 
 class SpecConfig(StrictModel):
@@ -134,7 +138,8 @@ class EagleProposer:
             self.cache.truncate(self.slots[item.request_id], self.committed[item.request_id])
         slots = torch.tensor([self.slots[i.request_id] for i in items])
         num = torch.tensor([i.tokens.numel() for i in items])
-        hidden = self.drafter.combine_aux(torch.cat([i.aux for i in items]).to(self.drafter.dtype))
+        aux = torch.cat([i.aux for i in items]).to(self.drafter.device, self.drafter.dtype)
+        hidden = self.drafter.combine_aux(aux)
         out = self.drafter(torch.cat([i.tokens for i in items]), hidden, self.cache, slots, num)
         last = torch.cumsum(num, 0) - 1
         growing = []
@@ -157,7 +162,7 @@ class EagleProposer:
             tokens, logps = self.drafter.to_target_ids(top.indices).tolist(), top.values.tolist()
         else:
             logits = self.drafter.target_logits(draft_logits[None])[0]  # [vocab], -inf outside the draft vocab
-            q = probabilities(logits, params)
+            q = probabilities(logits, params).cpu()  # drawn with the request's (CPU) generator
             logq = torch.log(q)
             gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=g.item.generator).clamp_min(1e-20)))
             keys = torch.topk(logq + gumbel, k)
@@ -246,31 +251,49 @@ def _ancestors(g: _Growing, node: int) -> list[int]:
 
 
 def load_eagle_proposer(
-    drafter_dir: str | Path, target_dir: str | Path, depth: int, topk: int, max_requests: int
+    source: str | Path | DrafterRef,
+    target_dir: str | Path,
+    depth: int,
+    topk: int,
+    max_requests: int,
+    *,
+    cache_dir: str | Path = "runs/drafter-cache",
+    aux_layer_ids: Sequence[int] | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_model_len: int | None = None,
 ) -> EagleProposer:
     """An EagleProposer over a vLLM-format drafter for the target in `target_dir`. A drafter that shares the
-    target's embedding gets just that tensor, read by name from the target's safetensors."""
-    from safetensors import safe_open
+    target's embedding gets just that tensor, read by name from the target's safetensors.
+
+    source: a drafter directory, or a pinned `DrafterRef`, fetched here into `cache_dir` (on this node: a
+    draft worker fetches its own copy). aux_layer_ids: the layers the target captures; a drafter that reads
+    other layers is refused. device, dtype: where the drafter runs (auto: this worker's GPU in bfloat16 when
+    it has one); max_model_len: tokens per request its KV cache is sized for (default: its config's)."""
     from torch import nn
 
     from orchestrator.errors import AerieError
     from orchestrator.models.checkpoint import load_drafter
-    from orchestrator.models.target import read_hf_config
+    from orchestrator.models.target import load_safetensors_dir, read_hf_config
+    from orchestrator.tracking.store import DrafterRef
 
-    drafter = load_drafter(drafter_dir, packed=True)
+    drafter_dir = source.fetch(cache_dir) if isinstance(source, DrafterRef) else Path(source)
     hf = read_hf_config(target_dir)
+    drafter = load_drafter(drafter_dir, dtype, packed=True, device=device, target_num_layers=hf["num_hidden_layers"])
+    if aux_layer_ids is not None and tuple(drafter.config.aux_layer_ids) != tuple(aux_layer_ids):
+        raise AerieError(
+            f"drafter {drafter_dir} reads target layers {list(drafter.config.aux_layer_ids)}, but the target "
+            f"captures {list(aux_layer_ids)}: restart the server so that both read the same drafter"
+        )
     if drafter.config.vocab_size != hf["vocab_size"] or drafter.config.target_hidden_size != hf["hidden_size"]:
         raise AerieError(
             f"drafter {drafter_dir} was built for vocab {drafter.config.vocab_size} / hidden "
             f"{drafter.config.target_hidden_size}, the target has {hf['vocab_size']} / {hf['hidden_size']}"
         )
     if not drafter.config.stores_embeddings:
-        for file in sorted(Path(target_dir).glob("*.safetensors")):
-            with safe_open(file, framework="pt") as f:
-                if "model.embed_tokens.weight" in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    weight = f.get_tensor("model.embed_tokens.weight").float()
-                    drafter.share_embedding(nn.Embedding.from_pretrained(weight, freeze=True))
-                    break
-        else:
-            raise AerieError(f"{target_dir}: no model.embed_tokens.weight for the drafter to share")
-    return EagleProposer(drafter, depth, topk, max_requests)
+        name = "model.embed_tokens.weight"
+        weight = load_safetensors_dir(target_dir, [name], device=drafter.device, missing_ok=True).get(name)
+        if weight is None:
+            raise AerieError(f"{target_dir}: no {name} for the drafter to share")
+        drafter.share_embedding(nn.Embedding.from_pretrained(weight.to(drafter.dtype), freeze=True))
+    return EagleProposer(drafter, depth, topk, max_requests, max_model_len)

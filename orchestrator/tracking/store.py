@@ -3,6 +3,10 @@
 Drafters are registered as plain artifact directories (the vLLM-format checkpoint), so any MLflow client can
 fetch one with `mlflow.artifacts.download_artifacts("models:/NAME@ALIAS")` and vLLM can load the result.
 
+A server pins its drafter first (`read_drafter_ref`: an alias to its version, an S3 prefix to its listing) and
+reads only its config.json; each draft worker then fetches that exact version on its own node (`DrafterRef.fetch`),
+so workers on other nodes, restarted ones included, load the drafter the target was configured for.
+
 The drafter cache holds one directory per exact version, each written beside its final name and renamed into
 place, so replicas on one node share it and never delete what another is reading:
 
@@ -14,11 +18,13 @@ place, so replicas on one node share it and never delete what another is reading
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import AerieError
@@ -97,9 +103,60 @@ def check_model_uri(uri: str, tracking: str | None = None) -> tuple[str, str]:
     return name, str(found.version)
 
 
-def fetch_drafter(source: str, cache_dir: str | Path = "runs/drafter-cache", tracking: str | None = None) -> Path:
+@dataclass(frozen=True)
+class DrafterRef:
+    """A drafter pinned to one exact version, and its config.json (see the module docstring)."""
+
+    source: str  # a directory (on a volume every node sees), s3://bucket/prefix or models:/NAME/VERSION
+    config: dict  # its config.json
+    tracking: str | None = None  # models:/: the registry it was resolved in
+    digest: str | None = None  # s3://: sha256 of the listing its config was read from (`S3Storage.digest`)
+
+    def fetch(self, cache_dir: str | Path) -> Path:
+        """This version's directory on this node (downloaded into `cache_dir` unless it is a directory)."""
+        return fetch_drafter(self.source, cache_dir, self.tracking, self.digest)
+
+
+def read_drafter_ref(source: str, tracking: str | None = None) -> DrafterRef:
+    """Pin a directory, s3:// prefix or models:/ URI to its exact version and read just its config.json."""
+    if source.startswith("models:/"):
+        import mlflow
+        from mlflow.exceptions import MlflowException
+
+        name, version = check_model_uri(source, tracking)
+        uri = tracking_uri(tracking)
+        mlflow.set_tracking_uri(uri)  # models:/ downloads read the global registry URI
+        pinned = f"models:/{name}/{version}"
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = mlflow.artifacts.download_artifacts(artifact_uri=f"{pinned}/config.json", dst_path=tmp)
+            except (MlflowException, OSError) as err:
+                raise AerieError(f"drafter {source} ({pinned}) holds no config.json ({type(err).__name__})") from err
+            return DrafterRef(pinned, _config(Path(path).read_bytes(), source), tracking=uri)
+    if source.startswith("s3://"):
+        from orchestrator.data.storage import S3Storage
+
+        storage = S3Storage(source)
+        digest = storage.digest()
+        if not storage.exists("config.json"):
+            raise AerieError(f"drafter {redact_text(source)} holds no config.json")
+        return DrafterRef(source, _config(storage.read_bytes("config.json"), source), digest=digest)
+    return DrafterRef(source, _config(fetch_drafter(source).joinpath("config.json").read_bytes(), source))
+
+
+def _config(raw: bytes, source: str) -> dict:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AerieError(f"drafter {redact_text(source)}: config.json is not valid JSON ({err})") from err
+
+
+def fetch_drafter(
+    source: str, cache_dir: str | Path = "runs/drafter-cache", tracking: str | None = None, digest: str | None = None
+) -> Path:
     """A drafter directory for a local path, an s3:// prefix or a models:/ URI (downloaded once per exact
-    version into `cache_dir`, see the module docstring; an existing download is reused, never replaced)."""
+    version into `cache_dir`, see the module docstring; an existing download is reused, never replaced).
+    digest: for s3://, the listing the content must have (`DrafterRef`): a prefix that changed since fails."""
     from orchestrator.data.storage import safe_path
 
     cache = Path(cache_dir)
@@ -118,14 +175,19 @@ def fetch_drafter(source: str, cache_dir: str | Path = "runs/drafter-cache", tra
     if source.startswith("s3://"):
         from orchestrator.data.storage import S3Storage, download_prefix
 
-        storage = S3Storage(source)
-        digest = storage.digest()
+        pinned = digest is not None
+        digest = digest or S3Storage(source).digest()  # pinned and cached: no S3 request at all
         dest = safe_path(cache, f"s3/{_slug(source[len('s3://') :])}-{digest[:16]}", source)
 
         def download(tmp: Path) -> Path:
             download_prefix(source, tmp)
-            if storage.digest() != digest:
-                raise AerieError(f"{source} changed while it was downloaded; fetch it again")
+            if S3Storage(source).digest() != digest:
+                if pinned:
+                    raise AerieError(
+                        f"{redact_text(source)} changed since the server read its config.json (its listing differs); "
+                        "deploy the drafter again"
+                    )
+                raise AerieError(f"{redact_text(source)} changed while it was downloaded; fetch it again")
             return tmp
 
         return _cached(source, dest, download)

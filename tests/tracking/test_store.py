@@ -160,3 +160,40 @@ def test_a_failed_registry_download_leaves_no_cached_directory(registry, tmp_pat
     with pytest.raises(OSError, match="disk full"):
         fetch_drafter("models:/d@prod", tmp_path / "cache", uri)
     assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+
+
+def test_a_pinned_registry_drafter_stays_at_its_version_when_the_alias_moves(registry, tmp_path, monkeypatch):
+    """The server pins models:/d@prod to version 1 reading only config.json; a draft worker fetching later (or
+    restarting) gets version 1 even after the alias moved."""
+    import mlflow.artifacts
+
+    from orchestrator.tracking import read_drafter_ref
+
+    uri, client = registry
+    real, asked = mlflow.artifacts.download_artifacts, []
+
+    def record(**kw):
+        asked.append(kw["artifact_uri"])
+        return real(**kw)
+
+    monkeypatch.setattr(mlflow.artifacts, "download_artifacts", record)
+    ref = read_drafter_ref("models:/d@prod", uri)
+    assert (ref.source, ref.tracking, ref.config) == ("models:/d/1", uri, {"architectures": [ARCHITECTURE]})
+    assert asked == ["models:/d/1/config.json"], "only the config is read"
+    client.set_registered_model_alias("d", "prod", "2")
+    assert _files(ref.fetch(tmp_path / "node-cache"))["model.safetensors"] == b"one"
+
+
+def test_a_pinned_s3_drafter_in_the_node_cache_needs_no_s3(s3, tmp_path, monkeypatch):
+    """A restarted draft worker finds its pinned version in its node's cache without asking S3."""
+    from orchestrator.tracking import read_drafter_ref
+
+    _upload(s3, "pinned/d", b"p")
+    ref = read_drafter_ref("s3://aerie-test/pinned/d")
+    first = ref.fetch(tmp_path / "cache")
+
+    def unreachable(self, url):
+        raise AssertionError("S3 was asked")
+
+    monkeypatch.setattr(storage.S3Storage, "__init__", unreachable)
+    assert ref.fetch(tmp_path / "cache") == first and (first / "model.safetensors").read_bytes() == b"p"
