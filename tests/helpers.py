@@ -106,3 +106,18 @@ def start_ray_head(env: dict, gcs_port: int, dashboard_port: int, num_cpus: int 
         cmd += ["--resources", json.dumps(resources)]
     started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stderr[-2000:]
+
+
+def draft_two_steps(drafter: Drafter, embedding: torch.nn.Embedding | None = None, seed: int = 0):
+    """Two drafting steps (aux -> fc, then the drafter's own state) for a ragged batch of 2 sequences; a drafter
+    that shares the target's embedding gets `embedding`. Returns the two DraftOutputs."""
+    if embedding is not None:
+        drafter.share_embedding(embedding)
+    gen = torch.Generator().manual_seed(seed)
+    aux = torch.randn(7, drafter.fc.in_features, generator=gen)  # [N, k*Ht]
+    tokens = torch.randint(0, drafter.config.vocab_size, (7,), generator=gen)
+    cache, slots = drafter.new_cache(2, 32), torch.arange(2)
+    with torch.no_grad():
+        first = drafter(tokens, drafter.combine_aux(aux), cache, slots, torch.tensor([4, 3]))
+        second = drafter(tokens[[3, 6]], first.next_hidden[[3, 6]], cache, slots, torch.tensor([1, 1]))
+    return first, second

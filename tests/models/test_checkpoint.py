@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from orchestrator.errors import AerieError, CheckpointError
 from orchestrator.models import Drafter, load_drafter, save_drafter
 from orchestrator.models.target import TargetModel
-from tests.helpers import random_drafter, read_json
+from tests.helpers import draft_two_steps, random_drafter, read_json
 
 VARIANTS = {
     "eagle3": {"variant": "eagle3"},
@@ -26,16 +26,7 @@ def target(tiny_dir):
 
 
 def _draft_step(drafter: Drafter, target: TargetModel, seed: int = 0):
-    """Two drafting steps (aux -> fc, then the drafter's own state) for a ragged batch of 2 sequences."""
-    drafter.share_embedding(target.embed_tokens)
-    gen = torch.Generator().manual_seed(seed)
-    aux = torch.randn(7, drafter.fc.in_features, generator=gen)  # [N, k*Ht]
-    tokens = torch.randint(0, drafter.config.vocab_size, (7,), generator=gen)
-    cache, slots = drafter.new_cache(2, 32), torch.arange(2)
-    with torch.no_grad():
-        first = drafter(tokens, drafter.combine_aux(aux), cache, slots, torch.tensor([4, 3]))
-        second = drafter(tokens[[3, 6]], first.next_hidden[[3, 6]], cache, slots, torch.tensor([1, 1]))
-    return first, second
+    return draft_two_steps(drafter, target.embed_tokens, seed)
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -17,7 +17,7 @@ from torch import nn
 from orchestrator.errors import CheckpointError
 from orchestrator.models import Drafter, load_drafter, save_drafter
 from orchestrator.models.checkpoint import drafter_aux_layer_ids
-from tests.helpers import TINY_LLAMA, random_drafter, read_json
+from tests.helpers import TINY_LLAMA, draft_two_steps, random_drafter, read_json
 
 TARGET_LAYERS = TINY_LLAMA["num_hidden_layers"]  # 8: vLLM's default aux ids are (2, 4, 5)
 EMBED = nn.Embedding(TINY_LLAMA["vocab_size"], TINY_LLAMA["hidden_size"])  # the target's, shared
@@ -35,16 +35,8 @@ def _drafter(draft_vocab_size: int | None, **flags) -> Drafter:
 
 
 def _outputs(drafter: Drafter) -> list[torch.Tensor]:
-    """Two drafting steps (aux -> fc, then the drafter's own state) for a ragged batch of 2 sequences."""
-    if drafter.embed_tokens is None:
-        drafter.share_embedding(EMBED)
-    gen = torch.Generator().manual_seed(0)
-    aux = torch.randn(7, drafter.fc.in_features, generator=gen)  # [N, k*Ht]
-    tokens = torch.randint(0, drafter.config.vocab_size, (7,), generator=gen)
-    cache, slots = drafter.new_cache(2, 32), torch.arange(2)
-    with torch.no_grad():
-        first = drafter(tokens, drafter.combine_aux(aux), cache, slots, torch.tensor([4, 3]))
-        second = drafter(tokens[[3, 6]], first.next_hidden[[3, 6]], cache, slots, torch.tensor([1, 1]))
+    """Two drafting steps of a ragged batch, and the drafter's target ids."""
+    first, second = draft_two_steps(drafter, EMBED if drafter.embed_tokens is None else None)
     ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size))
     return [first.logits, first.next_hidden, second.logits, second.next_hidden, ids]
 
