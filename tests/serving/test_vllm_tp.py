@@ -89,6 +89,8 @@ def test_gpu_replica_gets_a_gpu_bundle_per_rank_and_bf16(four_heads):
     assert _executor(llm) == ("ray", [{"GPU": 1, "CPU": 8}] * 4)  # ranks are Ray actors in the bundles
 
     assert _llm(four_heads, num_gpus=1, dtype="float16").engine_kwargs["dtype"] == "float16"
+    pinned = _llm(four_heads, tensor_parallel_size=2, num_gpus=1, num_cpus=8, resources={"target": 1})
+    assert pinned.placement_group_config["bundles"] == [{"GPU": 1, "CPU": 8, "target": 1}] * 2  # on target trays
 
 
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_anything_starts(nine_heads):
