@@ -472,11 +472,17 @@ def serve_app(
         )
     http = dict(config.get("http_options") or {})
     host, port = host or http.get("host", "127.0.0.1"), port or http.get("port", 8000)
-    name = app.get("name", "aerie")
+    name, route = app.get("name", "aerie"), app.get("route_prefix") or "/"
     cfg = DeployConfig(
-        app=str(path), app_overrides=list(overrides or []), name=name, address=address, host=host, port=port
+        app=str(path),
+        app_overrides=list(overrides or []),
+        name=name,
+        route_prefix=route,
+        address=address,
+        host=host,
+        port=port,
     )
-    url = f"http://{host}:{port}"
+    url = f"http://{host}:{port}{route.rstrip('/')}"
     if not (address or os.environ.get("RAY_ADDRESS")):
         written = ensure_local_key()  # a server on this machine: a random key unless one is configured
         if written is not None:
