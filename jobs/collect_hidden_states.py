@@ -2,6 +2,7 @@
 
     python -m jobs.collect_hidden_states --config configs/smollm2-135m/collect.yaml [key=value ...]
     ray job submit --working-dir . -- python -m jobs.collect_hidden_states --config ...
+    (on the KubeRay clusters the code is in the image: clusters/rayjob-*.yaml, no --working-dir)
 
 Without a cluster address (ray_address or RAY_ADDRESS) it starts a local Ray. Rerunning resumes: shards whose
 bytes still match their checksum are kept. Writes result.json next to the shards (local) or to result_dir.

@@ -2,6 +2,7 @@
 
     python -m jobs.train_drafter --config configs/smollm2-135m/train.yaml [key=value ...]
     ray job submit --working-dir . -- python -m jobs.train_drafter --config ...
+    (on the KubeRay clusters the code is in the image: clusters/rayjob-*.yaml, no --working-dir)
 
 Rerunning with the same `name` resumes from the latest checkpoint (and the same MLflow run). Writes
 result.json next to the exported drafter (local) or under runs/<name>/ (s3 output).
