@@ -136,11 +136,16 @@ def check_lossless(device: torch.device, work: Path, quick: bool) -> dict:
     return {"tokens_per_prompt": new, "prompts": len(prompts), "rows": rows}
 
 
-def _generate(engine, prompts, params) -> tuple[list[list[int]], float]:
-    gens = engine.generate(prompts, params)
+def _tau(gens) -> float | None:
+    """Acceptance length over the requests (vLLM's: 1 + accepted / drafted request-steps); None: no drafts."""
     accepted = sum(g.acceptance.accepted for g in gens)
     steps = sum(g.acceptance.drafts for g in gens)
-    return [g.token_ids for g in gens], 1 + accepted / max(1, steps)
+    return 1 + accepted / steps if steps else None
+
+
+def _generate(engine, prompts, params) -> tuple[list[list[int]], float | None]:
+    gens = engine.generate(prompts, params)
+    return [g.token_ids for g in gens], _tau(gens)
 
 
 def _agreement(name: str, dtype: str, against: str, got: list, tau: float | None, want: list | None = None) -> dict:
@@ -313,9 +318,7 @@ def _run_engine(device, engine, prompts, params, continuations) -> tuple[float, 
     took = time.perf_counter() - began
     if [g.token_ids for g in gens] != continuations:
         raise AssertionError("greedy output is not the target's known continuation")
-    accepted = sum(g.acceptance.accepted for g in gens)
-    steps = sum(g.acceptance.drafts for g in gens)
-    return params.max_tokens / took, (1 + accepted / steps) if steps else None
+    return params.max_tokens / took, _tau(gens)
 
 
 def _run_transformers(device, model, ids: torch.Tensor, new: int) -> tuple[float, None]:

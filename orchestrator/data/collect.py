@@ -53,7 +53,7 @@ from orchestrator.data.synthetic import (
 from orchestrator.data.templates import render_conversation
 from orchestrator.errors import AerieError
 from orchestrator.jobrunner import init_ray
-from orchestrator.models.device import DTYPES, DeviceName
+from orchestrator.models.device import DTYPES, DeviceName, device_name, dtype_name
 from orchestrator.models.target import check_target_supported, default_aux_layer_ids, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,8 @@ class WorkerResources(StrictModel):
     device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
 
     def torch_device(self) -> str:
-        """backend target: the capture worker's torch device (auto: its GPU when it reserves one)."""
-        if self.device != "auto":
-            return self.device
-        return "cuda" if self.num_gpus > 0 else "cpu"
+        """The capture worker's torch device (auto: its GPU when it reserves one)."""
+        return device_name(self.device, self.num_gpus)
 
 
 class CollectConfig(StrictModel):
@@ -304,7 +302,7 @@ def _capture_worker_class():
             if backend == "vllm":
                 from orchestrator.data.vllm_capture import VllmCapture
 
-                compute = "bfloat16" if device == "cuda" else "float32"  # the serving precision of this device
+                compute = dtype_name("auto", device)  # the serving precision of this device, not the shards'
                 self.states = VllmCapture(
                     model_dir, aux_layer_ids, max_length_tokens + 1, compute, tensor_parallel_size
                 ).capture

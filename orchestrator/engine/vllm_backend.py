@@ -86,8 +86,10 @@ class VllmGenerator:
         import torch
         import vllm
 
+        from orchestrator.models.device import dtype_name
+
         if dtype == "auto":  # the project's rule (models/device.py), not the checkpoint's torch_dtype
-            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+            dtype = dtype_name(dtype, "cuda" if torch.cuda.is_available() else "cpu")
             torch.cuda.empty_cache()  # an engine that ran before in this process gives its cached blocks back
 
         spec = None

@@ -18,6 +18,21 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def device_name(name: str, num_gpus: float) -> str:
+    """A worker's device from its config, before it starts: `auto` is its GPU when it reserves one (`num_gpus`),
+    else the CPU."""
+    if name != "auto":
+        return name
+    return "cuda" if num_gpus > 0 else "cpu"
+
+
+def dtype_name(name: str, device_type: str) -> str:
+    """`auto` -> "bfloat16" on CUDA, "float32" elsewhere; otherwise `name` (engines that take names: vLLM)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
     """'auto' -> cuda:0 when a GPU is visible, else cpu; 'cuda' without a GPU is a clear error."""
     if isinstance(name, torch.device):
@@ -36,8 +51,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' -> bfloat16 on CUDA, float32 elsewhere; otherwise the named dtype."""
     if isinstance(name, torch.dtype):
         return name
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = dtype_name(name, device.type)
     if name not in DTYPES:
         raise AerieError(f"dtype {name!r} is not one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[name]

@@ -113,8 +113,8 @@ def load_safetensors_dir(
 ) -> dict[str, torch.Tensor]:
     """Tensors of the *.safetensors files of a directory (sharded or not): all of them, or only `names`.
 
-    Only the shards holding a named tensor are opened and only those tensors are read (safetensors maps the
-    file), so a training worker reads the three tensors it needs of a 32B target, not 64 GB."""
+    Every shard's header is read, but only the named tensors' bytes (safetensors maps the file), so a training
+    worker reads the three tensors it needs of a 32B target, not 64 GB."""
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

@@ -37,7 +37,7 @@ from ray import serve
 from orchestrator.config import StrictModel
 from orchestrator.data.prompts import render_chat
 from orchestrator.errors import AerieError
-from orchestrator.models.device import DeviceName, DtypeName
+from orchestrator.models.device import DeviceName, DtypeName, device_name
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.guard import Guard, api_keys
@@ -61,9 +61,7 @@ class WorkerPlacement(StrictModel):
 
     def torch_device(self) -> str:
         """The worker's torch device: `device`, where auto means its GPU when it reserves one."""
-        if self.device != "auto":
-            return self.device
-        return "cuda" if self.num_gpus > 0 else "cpu"
+        return device_name(self.device, self.num_gpus)
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}

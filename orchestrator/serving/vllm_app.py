@@ -105,9 +105,9 @@ def placement(cfg: VllmServeConfig) -> tuple[list[dict], dict[str, str]]:
 
 def engine_dtype(cfg: VllmServeConfig) -> str:
     """`dtype: auto` by the project's rule (models/device.py), not vLLM's (the checkpoint's own dtype)."""
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    return "bfloat16" if cfg.num_gpus else "float32"
+    from orchestrator.models.device import dtype_name
+
+    return dtype_name(cfg.dtype, "cuda" if cfg.num_gpus else "cpu")
 
 
 def llm_config(cfg: VllmServeConfig):

@@ -109,3 +109,14 @@ def test_drafting_steps_stay_on_the_device(device):
     )
     assert out.logits.device == device
     assert drafter.target_logits(out.logits).device == device
+
+
+def test_the_one_device_and_dtype_rule():
+    """auto: a worker's GPU when it reserves one, bf16 there, fp32 on the CPU; explicit names win."""
+    from orchestrator.models.device import device_name, dtype_name, resolve_dtype
+
+    assert device_name("auto", 1) == "cuda" and device_name("auto", 0) == "cpu" and device_name("cpu", 1) == "cpu"
+    assert dtype_name("auto", "cuda") == "bfloat16" and dtype_name("auto", "cpu") == "float32"
+    assert dtype_name("float16", "cpu") == "float16"
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
