@@ -1,7 +1,7 @@
-"""Speculative sampling reproduces the target's distribution exactly (chi-square over 20k samples), for
-chains and for trees with several children per node, with and without top-k / top-p, both ways a request
-samples: recursive rejection sampling (no seed) and seeded Gumbel-max choices. A verifier that accepts every
-draft must fail the same test (the negative control)."""
+"""Speculative sampling reproduces the target's distribution exactly (chi-square over 8k samples), for chains
+and for trees with several children per node, with and without top-k / top-p, both ways a request samples:
+recursive rejection sampling (no seed) and seeded Gumbel-max choices. A verifier that accepts every draft must
+fail the same test (the negative control; its p-value underflows to 0 at this size)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from orchestrator.spec import EagleProposer, SamplingParams, Verdict, Verifier, 
 from tests.helpers import random_drafter, write_tiny_llama
 
 pytestmark = pytest.mark.slow
-VOCAB, SAMPLES, PROMPT = 12, 20_000, [3, 7, 5, 1]
+VOCAB, SAMPLES, PROMPT = 12, 8_000, [3, 7, 5, 1]
 
 
 @pytest.fixture(scope="module")
