@@ -32,6 +32,52 @@ def init_ray(address: str | None = None) -> None:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
 
 
+def local_cluster_file() -> Path:
+    """Where `aerie serve` notes the address of the Ray it started on this machine (removed when it exits)."""
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "aerie" / "ray-address.json"
+
+
+def note_local_cluster() -> None:
+    """`aerie serve`, having started a local Ray: tell this machine's jobs where it is, until it exits."""
+    import atexit
+
+    import ray
+
+    path = local_cluster_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"address": ray.get_runtime_context().gcs_address, "pid": os.getpid()}) + "\n")
+    atexit.register(lambda: path.unlink(missing_ok=True))
+
+
+def _noted_local_cluster() -> str | None:
+    try:
+        noted = json.loads(local_cluster_file().read_text())
+        os.kill(noted["pid"], 0)  # the `aerie serve` that started it still runs
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return noted["address"]
+
+
+def connect_to_running_cluster(address: str | None = None) -> None:
+    """For jobs that change a running deployment: connect to `address`, else RAY_ADDRESS, else the Ray that
+    `aerie serve` started on this machine. Never a private Ray: a deployment made there would die with the
+    job. None running: an AerieError saying how to start one or name it."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS") or _noted_local_cluster()
+    if target is None:
+        raise AerieError(
+            "no running cluster to deploy to: start the server first (`aerie serve --config "
+            "configs/smollm2-135m/serve.yaml`), or set RAY_ADDRESS=HEAD:6379 (or address=...) for a cluster"
+        )
+    try:
+        ray.init(address=target, log_to_driver=False)
+    except ConnectionError as err:
+        raise AerieError(f"the Ray cluster at {target} does not answer ({err}): is it running?") from err
+
+
 def write_result(output_dir: str | Path, result: dict) -> Path:
     path = Path(output_dir) / "result.json"
     path.parent.mkdir(parents=True, exist_ok=True)

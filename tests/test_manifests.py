@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from orchestrator.serving.launch import app_bundles
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = REPO / "clusters"
 GPU_CONFIG_DIRS = ["configs/llama-3.1-8b", "configs/qwen3-32b", "configs/kimi-k2"]
@@ -48,12 +50,16 @@ JOB_CONFIGS = {  # module -> (module, class) of its config
     "jobs.train_drafter": ("orchestrator.train.config", "TrainConfig"),
     "jobs.evaluate_drafter": ("orchestrator.evaluation.evaluate", "EvalConfig"),
     "jobs.deploy": ("orchestrator.serving.rollout", "DeployConfig"),
+    "jobs.pipeline": ("orchestrator.pipeline", "PipelineConfig"),
+    "jobs.benchmark_serving": ("orchestrator.benchmarks.serving", "BenchmarkServingConfig"),
 }
 CONFIG_JOBS = {  # a config file's name -> the job that reads it
     "collect": "jobs.collect_hidden_states",
     "train": "jobs.train_drafter",
     "evaluate": "jobs.evaluate_drafter",
     "deploy": "jobs.deploy",
+    "pipeline": "jobs.pipeline",
+    "benchmark_serving": "jobs.benchmark_serving",
 }
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}  # GPU nodes' usual taint
 ENTRYPOINT = re.compile(r"^python -m (?P<module>[\w.]+) --config (?P<config>\S+)$")
@@ -171,13 +177,13 @@ def test_the_manifests_are_the_ones_an_operator_applies():
     kinds = sorted((d["kind"], d["metadata"]["name"]) for _, d in DOCS)
     assert [k for k, _ in kinds] == [
         "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "PodMonitor", "RayCluster",
-        "RayJob", "RayJob", "RayJob", "RayJob", "RayService",
+        "RayJob", "RayJob", "RayJob", "RayJob", "RayJob", "RayService",
     ]  # fmt: skip
     for f, d in DOCS:
         assert d["apiVersion"] == "ray.io/v1" or d["kind"] not in RAY_KINDS, f
         assert d["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "aerie-spec", f
     entrypoints = {ENTRYPOINT.match(d["spec"]["entrypoint"])["module"] for _, d in _of_kind("RayJob")}
-    assert entrypoints == set(JOB_CONFIGS)  # one RayJob per job
+    assert entrypoints == set(JOB_CONFIGS) - {"jobs.benchmark_serving"}  # one RayJob per job (the benchmark: a stage)
 
 
 @pytest.mark.parametrize(
@@ -338,19 +344,27 @@ def _demands(module: str, cfg) -> list[dict[str, float]]:
         w = cfg.worker
         return [{"CPU": w.num_cpus, "GPU": float(w.use_gpu), **w.resources}] * cfg.num_workers
     if module == "jobs.deploy":
-        return 2 * _backend_demands(_validate(cfg.app))
+        return 2 * app_bundles(_validate(cfg.app))
+    if module == "jobs.pipeline":  # its biggest stage beside the backend it updates (checked per stage below)
+        return app_bundles(_validate(_validate(cfg.deploy.config).app)) + max(
+            (
+                _demands(m, _stage(cfg, key))
+                for m, key in (("jobs.collect_hidden_states", "collect"), ("jobs.train_drafter", "train"))
+            ),
+            key=lambda d: sum(b.get("GPU", 0) for b in d),
+        )
     return []
 
 
-def _backend_demands(app: dict) -> list[dict[str, float]]:
-    from orchestrator.serving.app import SpecServeConfig
-    from orchestrator.serving.vllm_app import VllmServeConfig, placement
+def _stage(cfg, key: str):
+    """A pipeline stage's job config: its file with its overrides."""
+    import importlib
 
-    if app["import_path"].endswith("vllm_app:build_app"):
-        cfg = VllmServeConfig.model_validate(app["args"])
-        return placement(cfg)[0] * cfg.num_replicas
-    cfg = SpecServeConfig.model_validate(app["args"])
-    return [cfg.target.bundle(), cfg.draft.bundle()] * cfg.num_replicas
+    from orchestrator.config import load_config
+
+    stage = getattr(cfg, key)
+    module, cls = JOB_CONFIGS[CONFIG_JOBS[Path(stage.config).stem]]
+    return load_config(getattr(importlib.import_module(module), cls), stage.config, stage.overrides)
 
 
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen3-32b"])
@@ -368,6 +382,31 @@ def test_what_each_job_asks_fits_the_cluster_it_runs_on(where, job, model, monke
     assert demands or m["module"] == "jobs.evaluate_drafter", where
     assert _fits(demands, _cluster_of(job)), f"{where}: {demands}"
     assert not _fits([{**d, "GPU": d.get("GPU", 0) + 64} for d in demands[:1]], _cluster_of(job))  # a real check
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen3-32b"])
+def test_every_pipeline_stage_fits_beside_the_backend_it_updates(model, monkeypatch):
+    """On the shared cluster at maxReplicas: the serving backend, the pipeline's driver, and each stage in turn
+    (collection, training, the candidate backend of the rollout, the benchmark's backend)."""
+    monkeypatch.chdir(REPO)
+    job = _one("RayJob", "aerie-pipeline-llama31-8b")
+    cfg = _validate(f"configs/{model}/pipeline.yaml")
+    spec = job["spec"]
+    driver = {
+        "CPU": spec["entrypointNumCpus"],
+        "GPU": spec["entrypointNumGpus"],
+        **json.loads(spec["entrypointResources"]),
+    }
+    serving = app_bundles(_validate(_stage(cfg, "deploy").app))
+    stages = {
+        "collect": _demands("jobs.collect_hidden_states", _stage(cfg, "collect")),
+        "train": _demands("jobs.train_drafter", _stage(cfg, "train")),
+        "canary": app_bundles(_validate(_stage(cfg, "deploy").app)),
+        "benchmark": app_bundles(_validate(_stage(cfg, "benchmark").app)),
+    }
+    for name, demands in stages.items():
+        assert _fits([driver, *serving, *demands], _cluster_of(job)), f"{model} {name}: {demands}"
+    assert cfg.deploy.when == "always" and _stage(cfg, "train").num_workers == 4
 
 
 def test_the_tensor_parallel_vllm_config_fits_one_tray_and_beside_llama(monkeypatch):
@@ -418,7 +457,7 @@ def test_the_rayservice_runs_the_router_and_the_backend_jobs_deploy_rolls_out(mo
         backend = _validate(deploy.app)  # the file jobs.deploy starts canaries from: the same application
         same = (apps[r.app]["import_path"], apps[r.app]["args"]) == (backend["import_path"], backend["args"])
         assert same, f"{r.app} differs from {deploy.app}'s application"
-        assert _fits(2 * _backend_demands(apps[r.app]), service["spec"]["rayClusterConfig"]), "stable + canary"
+        assert _fits(2 * app_bundles(apps[r.app]), service["spec"]["rayClusterConfig"]), "stable + canary"
 
 
 def test_serving_pods_mount_the_api_keys_from_their_secret():

@@ -57,6 +57,29 @@ def read_serve_config(path: str | Path, overrides: list[str] | None = None) -> t
     return config, app
 
 
+def app_bundles(app: dict) -> list[dict[str, float]]:
+    """The Ray resource bundles a backend application's workers reserve, every replica's (its Serve replicas
+    themselves take none): the target and draft workers', or the vLLM engine's, one per TP rank."""
+    from orchestrator.serving.app import SpecServeConfig
+    from orchestrator.serving.vllm_app import VllmServeConfig, placement
+
+    if backend_of(app["import_path"]) == "vllm":
+        cfg = VllmServeConfig.model_validate(app["args"])
+        return placement(cfg)[0] * cfg.num_replicas
+    cfg = SpecServeConfig.model_validate(app["args"])
+    return ([cfg.target.bundle()] + ([cfg.draft.bundle()] if cfg.speculation else [])) * cfg.num_replicas
+
+
+def app_resources(app: dict) -> dict[str, float]:
+    """`app_bundles` summed: what the application takes from the cluster."""
+    total: dict[str, float] = {}
+    for bundle in app_bundles(app):
+        for key, value in bundle.items():
+            if value:
+                total[key] = total.get(key, 0.0) + value
+    return total
+
+
 def _check_target(model: str) -> None:
     """The disaggregated backend runs the project's own target, which knows a few architectures: a target
     directory present here is checked before anything starts (its error names the vLLM backend)."""
@@ -75,5 +98,5 @@ def _check_drafter(drafter: str | None) -> None:
     ):
         raise AerieError(
             f"drafter {drafter!r} is not a drafter directory: train one (`make drafters`), "
-            "or set drafter=DIR|s3://...|models:/NAME@ALIAS, or speculation=false"
+            "or set drafter=DIR (or models:/NAME@ALIAS, or s3://BUCKET/PREFIX), or speculation=false"
         )

@@ -36,7 +36,7 @@ from pydantic import Field
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
 from orchestrator.serving.guard import API_KEY_ENV, API_KEY_FILE_ENV, api_keys, default_key_file, ensure_local_key
-from orchestrator.serving.launch import BACKENDS, backend_of, read_serve_config
+from orchestrator.serving.launch import BACKENDS, app_resources, backend_of, read_serve_config
 from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig, forget_routes
 from orchestrator.spec.acceptance import Acceptance
 
@@ -51,7 +51,9 @@ class DeployConfig(StrictModel):
     app_overrides: list[str] = Field([], description="more key=value overrides of the backend's args")
     name: str = Field("aerie", description="the router application; backends are NAME-1, NAME-2, ...")
     route_prefix: str = Field("/", description="the router's route: the clients' endpoint")
-    address: str | None = Field(None, description="Ray cluster (None: RAY_ADDRESS, else start a local Ray)")
+    address: str | None = Field(
+        None, description="Ray cluster (None: RAY_ADDRESS, else the Ray `aerie serve` started on this machine)"
+    )
     host: str = Field("127.0.0.1", description="Serve's HTTP proxy host, as the job reaches it")
     port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP proxy port")
     canary_weight: float = Field(0.25, gt=0, lt=1, description="share of new requests the candidate takes")
@@ -60,6 +62,9 @@ class DeployConfig(StrictModel):
     min_drafts: int = Field(50, ge=1, description="drafted request-steps each side needs before a decision")
     tolerance: float = Field(0.1, ge=0, description="promote if canary acceptance >= stable's minus this")
     startup_timeout_s: float = Field(900, gt=0, description="longest a new backend may take to come up")
+    placement_timeout_s: float = Field(
+        120, gt=0, description="longest a new backend's workers may wait for resources before it fails"
+    )
     drain_timeout_s: float = Field(600, gt=0, description="longest to wait for in-flight requests")
     poll_s: float = Field(1.0, gt=0, description="timeline / counter sampling period")
     production_alias: str = Field("production", description="registry alias moved on promotion")
@@ -120,21 +125,48 @@ def vllm_counters(app: str) -> Acceptance:
 
 
 def _wait_running(app: str, timeout_s: float, tick=None) -> None:
-    """Until Serve reports `app` RUNNING (`tick()` every second meanwhile); a failed deploy raises."""
+    """Until Serve reports `app` RUNNING (`tick(elapsed_s)` every second meanwhile); a failed deploy raises."""
     from ray import serve
 
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
     while True:
         status = serve.status().applications.get(app)
         state = str(status.status) if status else "MISSING"
         if state.endswith("RUNNING"):
             return
-        if state.endswith(("DEPLOY_FAILED", "UNHEALTHY")) or time.monotonic() > deadline:
+        if state.endswith(("DEPLOY_FAILED", "UNHEALTHY")) or time.monotonic() - began > timeout_s:
             message = status.message if status else "not found"
             raise AerieError(f"backend {app} did not come up ({state}): {message[-500:]}")
         if tick is not None:
-            tick()
+            tick(time.monotonic() - began)
         time.sleep(1)
+
+
+def _pending() -> set[str]:
+    """Ids of the actors and placement groups the cluster has not been able to place yet."""
+    import ray
+
+    actors = ray._private.state.state.actor_table(None)
+    groups = ray.util.placement_group_table()
+    return {a for a, v in actors.items() if v.get("State") == "PENDING_CREATION"} | {
+        g for g, v in groups.items() if v.get("state") == "PENDING"
+    }
+
+
+def _known() -> set[str]:
+    import ray
+
+    return set(ray._private.state.state.actor_table(None)) | set(ray.util.placement_group_table())
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    shown = {k: round(v, 3) for k, v in sorted(resources.items()) if not k.startswith(("node:", "memory", "object_"))}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in shown.items()) + "}"
+
+
+def shortfall(needs: dict[str, float], have: dict[str, float]) -> dict[str, float]:
+    """What `have` lacks of `needs` (empty when it covers them)."""
+    return {k: v - have.get(k, 0.0) for k, v in needs.items() if v - have.get(k, 0.0) > 1e-9}
 
 
 class Rollout:
@@ -219,14 +251,45 @@ class Rollout:
     # -- backends ------------------------------------------------------------------------------------------------
 
     def start_backend(self, app: str, config_app: dict) -> None:
-        from ray import serve
+        """Start `app` and wait until it runs. One that the cluster cannot hold at all fails before it starts;
+        one whose workers are still unplaced after `placement_timeout_s` fails then, naming what it lacks."""
+        import ray
+        from ray.serve import api as serve_api
 
         from orchestrator.serving.app import _import
 
+        needs = app_resources(config_app)
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if lacking := shortfall(needs, total):
+            raise AerieError(
+                f"backend {app} can never be placed: its workers need {_fmt(needs)}, the whole cluster has "
+                f"{_fmt(total)} (short of {_fmt(lacking)}): lower the workers' resources or add nodes"
+            )
+        if shortfall(needs, free):
+            self.event("waiting for resources", app=app, needs=_fmt(needs), free=_fmt(free))
         builder = _import(config_app["import_path"])
-        self.event("starting backend", app=app, drafter=config_app["args"].get("drafter"))
-        serve.run(builder(config_app["args"]), name=app, route_prefix=f"{BACKEND_PREFIX}/{app}", blocking=False)
-        _wait_running(app, self.cfg.startup_timeout_s, tick=self.sample)
+        self.event("starting backend", app=app, drafter=config_app["args"].get("drafter"), needs=_fmt(needs))
+        known = _known()
+        last_note = [0.0]
+
+        def tick(elapsed: float) -> None:
+            self.sample()
+            if elapsed - last_note[0] >= 15:
+                last_note[0] = elapsed
+                stuck = _pending() - known
+                self.event("backend starting", app=app, seconds=round(elapsed), unplaced=len(stuck))
+            if elapsed >= self.cfg.placement_timeout_s and _pending() - known:
+                free_now = ray.available_resources()
+                raise AerieError(
+                    f"backend {app} could not be placed within {self.cfg.placement_timeout_s:g} s: its workers need "
+                    f"{_fmt(needs)}, the cluster has {_fmt(free_now)} free of {_fmt(ray.cluster_resources())}: "
+                    "free resources (lower target.num_cpus / draft.num_cpus, stop a backend) or add nodes, or "
+                    "raise placement_timeout_s where nodes are added on demand"
+                )
+
+        # serve.run would wait for RUNNING itself, however long placement takes: start it, and watch here
+        serve_api._run(builder(config_app["args"]), name=app, route_prefix=f"{BACKEND_PREFIX}/{app}", _blocking=False)
+        _wait_running(app, self.cfg.startup_timeout_s, tick=tick)
         self.event("backend running", app=app)
 
     def counters(self, app: str, import_path: str) -> Acceptance:
@@ -264,7 +327,7 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
     initial_only: refuse when the application is already served (`aerie serve`)."""
     from ray import serve
 
-    from orchestrator.jobrunner import init_ray
+    from orchestrator.jobrunner import connect_to_running_cluster, init_ray, note_local_cluster
 
     overrides = list(cfg.app_overrides) + ([f"drafter={cfg.drafter}"] if cfg.drafter else [])
     _, config_app = read_serve_config(cfg.app, overrides)
@@ -275,7 +338,18 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
 
         check_model_uri(version, cfg.tracking_uri)
     api_keys()  # the backends and the router refuse to start without one; this job calls them with it
-    init_ray(cfg.address)
+    if initial_only:  # `aerie serve`: its own local Ray unless given a cluster; it lives as long as the server
+        if cfg.address or os.environ.get("RAY_ADDRESS"):
+            init_ray(cfg.address)
+        else:
+            import ray
+
+            started = not ray.is_initialized()
+            init_ray()
+            if started:
+                note_local_cluster()
+    else:
+        connect_to_running_cluster(cfg.address)  # a deployment must outlive this job
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     ro = Rollout(cfg)
     status = ro.router_status()

@@ -326,6 +326,48 @@ def test_an_interrupted_rollout_gives_all_traffic_back_to_the_stable_backend(dur
     assert json.loads(records[-1].read_text())["decision"] == "interrupted"
 
 
+def test_a_candidate_that_cannot_be_placed_fails_within_its_bound_while_the_stable_one_serves(
+    durable, tiny_chat, serve_session
+):
+    """A candidate whose workers fit the cluster but not what is free waits `placement_timeout_s`, then fails
+    naming what it needs and what is free; one bigger than the whole cluster fails before it starts. The stable
+    backend serves throughout, and no request fails."""
+    import ray
+    from ray import serve
+
+    from orchestrator.serving.rollout import run_rollout
+    from orchestrator.serving.router import stored_routes
+
+    app, tmp = durable
+    stable = [r["app"] for r in stored_routes("dur")["routes"]]
+    free, total = ray.available_resources().get("CPU", 0), ray.cluster_resources()["CPU"]
+    assert free + 0.5 <= total, (free, total)
+    v4 = _random_drafter(tiny_chat, tmp / "v4", seed=3)
+    records = {}
+    with ClientLoad(f"{serve_session}/dur") as load:
+        for case, cpus in (("unplaceable now", free + 0.5), ("never placeable", 4 * total)):
+            cfg = deploy_cfg(
+                serve_session,
+                app,
+                "dur",
+                drafter=str(v4),
+                app_overrides=[f"target.num_cpus={cpus}"],
+                placement_timeout_s=5,
+                output_dir=str(tmp / "unplaced"),
+            )
+            records[case] = run_rollout(cfg)
+        time.sleep(2)
+    print(json.dumps({case: r["reason"] for case, r in records.items()}, indent=1))
+    waited, never = records["unplaceable now"], records["never placeable"]
+    assert waited["decision"] == never["decision"] == "failed"
+    assert "could not be placed within 5 s: its workers need {CPU: " in waited["reason"]
+    assert "free of {CPU: " in waited["reason"]
+    assert "can never be placed: its workers need {CPU: " in never["reason"]
+    assert [r["app"] for r in stored_routes("dur")["routes"]] == stable
+    assert [a for a in serve.status().applications if a.startswith("dur-")] == stable
+    assert len(load.results) >= 10 and load.failures() == []
+
+
 def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_drafter):
     """A models:/ drafter's version gets the decision as tags; promotion moves the production alias."""
     import mlflow
