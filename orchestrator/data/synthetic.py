@@ -75,12 +75,16 @@ def user_turn_prefix(tokenizer, messages: list[dict]) -> str:
 
 
 def _complete(
-    decoder: SpecEngine | VllmGenerator, tokenizer, texts: list[str], params: list[SamplingParams]
+    decoder: SpecEngine | VllmGenerator,
+    tokenizer,
+    texts: list[str],
+    params: list[SamplingParams],
+    progress: str | None = None,
 ) -> list[tuple[str, bool]]:
-    """Continue each rendered text; returns (completion, finished with EOS) per text."""
+    """Continue each rendered text; returns (completion, finished with EOS) per text (a bar: `progress`)."""
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     out = []
-    for g in decoder.generate(prompts, params):
+    for g in decoder.generate(prompts, params, progress=progress):
         out.append((tokenizer.decode(g.token_ids, skip_special_tokens=True).strip(), g.finish_reason == "stop"))
     return out
 
@@ -113,7 +117,9 @@ def synthesise_prompts(
             )
             for i in range(len(batch))
         ]
-        for topic, (text, finished) in zip(batch, _complete(decoder, tokenizer, texts, params), strict=True):
+        for topic, (text, finished) in zip(
+            batch, _complete(decoder, tokenizer, texts, params, f"synthetic prompts, round {round_ + 1}"), strict=True
+        ):
             stats["generated"] += 1
             key = _normalise(text)
             if not finished:
@@ -170,7 +176,9 @@ def answer_turns(
                 )
                 for i in need
             ]
-            for i, (text, finished) in zip(need, _complete(decoder, tokenizer, texts, p), strict=True):
+            for i, (text, finished) in zip(
+                need, _complete(decoder, tokenizer, texts, p, f"follow-ups, turn {turn + 1}"), strict=True
+            ):
                 if finished and len(text) >= follow_up.min_prompt_chars:
                     users[i].append({"role": "user", "content": text})
         active = [i for i in range(len(history)) if turn < len(users[i])]
@@ -185,7 +193,11 @@ def answer_turns(
                 del users[i][turn:]
         active = [i for i, ok in zip(active, fits, strict=True) if ok]
         texts = [t for t, ok in zip(texts, fits, strict=True) if ok]
-        for i, (text, _) in zip(active, _complete(decoder, tokenizer, texts, [params] * len(active)), strict=True):
+        for i, (text, _) in zip(
+            active,
+            _complete(decoder, tokenizer, texts, [params] * len(active), f"answers, turn {turn + 1}/{turns}"),
+            strict=True,
+        ):
             history[i].append({"role": "assistant", "content": text})
     return [Conversation(c.id, h, c.source) for c, h in zip(conversations, history, strict=True)]
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from orchestrator.errors import AerieError
 from orchestrator.runtime.clients import LocalWorker
 from orchestrator.runtime.detok import TextStream
@@ -53,20 +55,22 @@ class SpecEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         raise_errors: bool = True,
+        progress: str | None = None,
     ) -> list[Generation]:
         """Run prompts to completion (continuous batching); results in prompt order. A request that fails
-        raises AerieError, or (raise_errors=False) comes back with `error` set."""
+        raises AerieError, or (raise_errors=False) comes back with `error` set. progress: a bar with this
+        label counts finished requests."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if self.tokenizer is None and any(p.stop for p in params):
             raise AerieError("stop strings need the engine's tokenizer")
-        out = asyncio.run(self._generate(prompts, params))
+        out = asyncio.run(self._generate(prompts, params, progress))
         failed = next((g for g in out if g.error is not None), None)
         if raise_errors and failed is not None:
             raise AerieError(failed.error)
         return out
 
-    async def _generate(self, prompts, params) -> list[Generation]:
+    async def _generate(self, prompts, params, progress: str | None = None) -> list[Generation]:
         n = self.target.max_batch
         cfg = SchedulerConfig(
             max_batch=n,
@@ -80,16 +84,23 @@ class SpecEngine:
         scheduler.start()
         try:
             requests = [scheduler.submit(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
-            return await asyncio.gather(*[self._collect(scheduler, r) for r in requests])
+            bar = tqdm(total=len(requests), desc=progress, unit="req") if progress else None
+            try:
+                return await asyncio.gather(*[self._collect(scheduler, r, bar) for r in requests])
+            finally:
+                if bar is not None:
+                    bar.close()
         finally:
             await scheduler.close()
 
-    async def _collect(self, scheduler: SpecScheduler, r) -> Generation:
+    async def _collect(self, scheduler: SpecScheduler, r, bar=None) -> Generation:
         text = TextStream(self.tokenizer if r.params.stop else None, r.params.stop)
         finish, error = None, None
         async for _, reason, failed in scheduler.text_events(r, text):
             finish = reason or finish
             error = failed.error if failed is not None else error
+        if bar is not None:
+            bar.update()
         return Generation(r.prompt_ids, text.ids, finish, r.acceptance, text.text if text.stopped else None, error)
 
 

@@ -119,10 +119,17 @@ class VllmGenerator:
         return Acceptance(*(int(values.get(name, 0)) for name in SPEC_COUNTERS), [int(v) for v in per_pos])
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        progress: str | None = None,
     ) -> list[Generation]:
-        """Generate for all prompts in one vLLM batch (one setting, or one per prompt); results in prompt order."""
+        """Generate for all prompts in one vLLM batch (one setting, or one per prompt); results in prompt order.
+        progress: vLLM's bar over finished prompts, with this label."""
+        import functools
+
         import vllm
+        from tqdm import tqdm
 
         def convert(p: SamplingParams) -> vllm.SamplingParams:
             return vllm.SamplingParams(
@@ -137,9 +144,17 @@ class VllmGenerator:
 
         vparams = convert(params) if isinstance(params, SamplingParams) else [convert(p) for p in params]
         inputs = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(inputs, vparams, use_tqdm=False)
+        bar = functools.partial(_labelled_tqdm, tqdm, progress) if progress else False
+        outputs = self.llm.generate(inputs, vparams, use_tqdm=bar)
         results = []
         for prompt, out in zip(prompts, outputs, strict=True):
             completion = out.outputs[0]
             results.append(Generation(list(prompt), list(completion.token_ids), completion.finish_reason))
         return results
+
+
+def _labelled_tqdm(tqdm, label: str, *args, **kwargs):
+    """vLLM's bar over processed prompts, under our label; its other bar (adding requests) hidden."""
+    if kwargs.get("desc") != "Processed prompts":
+        return tqdm(*args, **{**kwargs, "disable": True})
+    return tqdm(*args, **{**kwargs, "desc": label})

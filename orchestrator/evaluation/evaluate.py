@@ -91,13 +91,15 @@ def _tau_by(prompts: list[EvalPrompt], generations, key) -> dict[str, dict]:
     return {k: acc.summary() for k, acc in sorted(groups.items())}
 
 
-def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompts, eos) -> dict:
-    """tau per set and per (set, label) for every method, with the project's engine."""
+def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompts, eos, name: str = "") -> dict:
+    """tau per set and per (set, label) for every method, with the project's engine (a bar per method)."""
     params = SamplingParams(max_tokens=cfg.max_tokens)
     out = {}
     for method, spec in cfg.methods.items():
         engine = load_engine(model_dir, drafter_dir, spec, max_batch=cfg.batch_size, eos_token_ids=eos)
-        gens = engine.generate([p.ids for p in prompts], params)
+        gens = engine.generate(
+            [p.ids for p in prompts], params, progress=f"evaluate {name or drafter_dir.name} {method}"
+        )
         out[method] = {
             "overall": _tau_by(prompts, gens, lambda p: "all")["all"],
             "sets": _tau_by(prompts, gens, lambda p: p.set),
@@ -150,7 +152,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     chains = [(m, s) for m, s in cfg.methods.items() if s.method == "chain"]
     for name, drafter_dir in drafters.items():
         entry = {"source": next(d.source for d in cfg.drafters if d.name == name)}
-        entry["engine"] = evaluate_drafter(cfg, model_dir, drafter_dir, prompts, eos)
+        entry["engine"] = evaluate_drafter(cfg, model_dir, drafter_dir, prompts, eos, name)
         if cfg.vllm_check and mtbench and chains:
             method, spec = chains[0]
             ours = entry["engine"][method]["sets"]["mtbench"]
