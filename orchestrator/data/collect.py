@@ -14,6 +14,7 @@ import json
 import logging
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +36,7 @@ from orchestrator.data.shards import (
     Sequence,
     ShardPlan,
     finished_record,
+    plan_record,
     plan_shards,
     shard_bytes,
     target_states,
@@ -289,7 +291,7 @@ def _capture_worker_class():
             self,
             model_dir: str,
             aux_layer_ids: tuple[int, ...],
-            output: str,
+            output: str | None,
             dtype: str,
             batch_tokens: int,
             threads: int,
@@ -311,24 +313,39 @@ def _capture_worker_class():
 
                 target = TargetModel.from_pretrained(model_dir, aux_layer_ids, device=device)
                 self.states = lambda plan: target_states(target, plan, batch_tokens)
-            self.storage = open_storage(output)
+            self.storage = open_storage(output) if output is not None else None
             self.dtype = DTYPES[dtype]
+
+        def shard(self, plan: ShardPlan) -> bytes:
+            """The shard's bytes (what `capture` writes), for a reader that takes them from the object store."""
+            aux, final = self.states(plan)
+            return shard_bytes(plan, aux, final, self.dtype)
+
+        def peak_rss_mib(self) -> float:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
         def capture(self, plan: ShardPlan) -> tuple[dict, dict]:
             began = time.perf_counter()
-            aux, final = self.states(plan)
-            record = write_shard(self.storage, plan, shard_bytes(plan, aux, final, self.dtype))
+            record = write_shard(self.storage, plan, self.shard(plan))
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             return record, {"seconds": time.perf_counter() - began, "peak_rss_mib": peak_mib}
 
     return CaptureWorker
 
 
-def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
-    """The whole job; returns result.json's content. Every input is checked before any capture starts."""
-    import ray
-    from ray.util import ActorPool
+@dataclass
+class CollectionPlan:
+    """Everything a collection decides before it captures: the target's config, the aux layers, the datasets'
+    provenance and the shards, each a list of rendered sequences."""
 
+    hf: dict
+    aux: tuple[int, ...]
+    provenance: dict
+    plans: list[ShardPlan]
+
+
+def plan_collection(cfg: CollectConfig, model_dir: Path) -> CollectionPlan:
+    """Check the inputs, load and (re)generate the conversations, render them and cut them into shards."""
     from orchestrator.models.tokenizer import load_tokenizer
 
     hf = read_hf_config(model_dir)
@@ -343,7 +360,6 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
         from orchestrator.engine.vllm_backend import check_tensor_parallel
 
         check_tensor_parallel(hf, cfg.tensor_parallel_size, model_dir.name)
-    storage = open_storage(cfg.output)
     conversations, provenance = load_conversations(cfg)
     tokenizer = load_tokenizer(model_dir)
     conversations = add_generated(cfg, model_dir, tokenizer, conversations, provenance)
@@ -351,23 +367,21 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
         raise AerieError("the configured sources hold no usable conversation (each needs an assistant turn)")
     by_split = render_all(cfg, conversations, tokenizer)
     plans = [p for split, seqs in by_split.items() for p in plan_shards(seqs, split, cfg.shard_tokens)]
-    records = {p.name: r for p in plans if (r := finished_record(storage, p)) is not None}
-    pending = [p for p in plans if p.name not in records]
-    reused = len(records)
-    if cfg.max_new_shards is not None:
-        pending = pending[: cfg.max_new_shards]
-    log.info("%d shards planned, %d verified and reused, %d to capture", len(plans), reused, len(pending))
+    return CollectionPlan(hf, aux, provenance, plans)
 
+
+def start_capture_workers(cfg: CollectConfig, model_dir: Path, aux: tuple[int, ...], n: int, write: bool = True):
+    """`n` capture actors as the config places them (write=False: they only return shard bytes)."""
     init_ray(cfg.ray_address)
     ranks = cfg.tensor_parallel_size  # the worker's resources are per device
     worker_cls = _capture_worker_class().options(
         num_cpus=cfg.worker.num_cpus * ranks, num_gpus=cfg.worker.num_gpus * ranks, resources=cfg.worker.resources
     )
-    workers = [
+    return [
         worker_cls.remote(
             str(model_dir),
             aux,
-            cfg.output,
+            cfg.output if write else None,
             cfg.dtype,
             cfg.batch_tokens,
             cfg.worker.torch_threads,
@@ -376,8 +390,25 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
             device=cfg.worker.torch_device(),
             tensor_parallel_size=cfg.tensor_parallel_size,
         )
-        for _ in range(min(cfg.num_workers, max(1, len(pending))))
+        for _ in range(n)
     ]
+
+
+def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
+    """The whole job; returns result.json's content. Every input is checked before any capture starts."""
+    import ray
+    from ray.util import ActorPool
+
+    storage = open_storage(cfg.output)
+    planned = plan_collection(cfg, model_dir)
+    hf, aux, provenance, plans = planned.hf, planned.aux, planned.provenance, planned.plans
+    records = {p.name: r for p in plans if (r := finished_record(storage, p)) is not None}
+    pending = [p for p in plans if p.name not in records]
+    reused = len(records)
+    if cfg.max_new_shards is not None:
+        pending = pending[: cfg.max_new_shards]
+    log.info("%d shards planned, %d verified and reused, %d to capture", len(plans), reused, len(pending))
+    workers = start_capture_workers(cfg, model_dir, aux, min(cfg.num_workers, max(1, len(pending))))
     began, tokens, peaks = time.perf_counter(), 0, []
     bar = tqdm(total=sum(p.num_tokens for p in pending), desc="capture", unit="tok", unit_scale=True)
     for record, stats in ActorPool(workers).map_unordered(lambda w, p: w.capture.remote(p), pending):
@@ -434,6 +465,15 @@ def baseline_tokens_per_s(cfg: CollectConfig, model_dir: Path, aux: tuple[int, .
     for plan in sample:
         target_states(target, plan, cfg.batch_tokens)
     return round(sum(p.num_tokens for p in sample) / (time.perf_counter() - began), 1)
+
+
+def online_manifest(cfg: CollectConfig, model_dir: Path, planned: CollectionPlan) -> dict:
+    """The manifest of a collection streamed to training (`train.data: online`): the shards' records without
+    sizes or checksums (their bytes exist only in Ray's object store, for as long as a trainer reads them)."""
+    manifest = build_manifest(
+        cfg, model_dir, planned.hf, planned.aux, planned.provenance, [plan_record(p) for p in planned.plans]
+    )
+    return {**manifest, "online": True}
 
 
 def build_manifest(cfg: CollectConfig, model_dir: Path, hf: dict, aux, provenance: dict, records: list[dict]) -> dict:

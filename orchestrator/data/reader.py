@@ -31,7 +31,7 @@ class HiddenStateSequence:
 class ShardReader:
     def __init__(
         self,
-        location: str,
+        location,
         split: str = "train",
         rank: int = 0,
         world_size: int = 1,
@@ -39,18 +39,22 @@ class ShardReader:
         buffer_sequences: int = 256,
         verify: bool = True,
     ) -> None:
+        """location: a collection's directory or s3:// prefix, or a Storage (data/online.py's OnlineShards)."""
         assert 0 <= rank < world_size
-        self.storage = open_storage(location)
+        self.storage = open_storage(location) if isinstance(location, str) else location
         if not self.storage.exists("manifest.json"):
             raise AerieError(f"{self.storage.uri()} has no manifest.json: not a finished collection")
         self.manifest = json.loads(self.storage.read_bytes("manifest.json"))
         self.shards = [s for s in self.manifest["shards"] if s["split"] == split][rank::world_size]
-        self.seed, self.buffer, self.verify = seed, buffer_sequences, verify
+        online = self.manifest.get("online", False)  # no checksums: the bytes never touched storage
+        self.seed, self.buffer, self.verify = seed, buffer_sequences, verify and not online
 
     def __iter__(self) -> Iterator[HiddenStateSequence]:
         rng = random.Random(self.seed)
         order = list(self.shards)
         rng.shuffle(order)
+        if hasattr(self.storage, "will_read"):  # online shards: capture starts ahead, in this order
+            self.storage.will_read([r["name"] for r in order])
         buffer: list[HiddenStateSequence] = []
         for record in order:
             for seq in self._sequences(record):

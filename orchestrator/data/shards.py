@@ -134,17 +134,20 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_shard(storage: Storage, plan: ShardPlan, data: bytes) -> dict:
-    """Write a shard, then its checksum record; returns the record."""
-    record = {
+def plan_record(plan: ShardPlan) -> dict:
+    """What a shard's record says before it is captured: name, split and counts."""
+    return {
         "name": plan.name,
         "split": plan.split,
         "num_tokens": plan.num_tokens,
         "num_sequences": len(plan.sequences),
         "num_loss_tokens": int(sum(int(s.loss_mask.sum()) for s in plan.sequences)),
-        "bytes": len(data),
-        "sha256": sha256(data),
     }
+
+
+def write_shard(storage: Storage, plan: ShardPlan, data: bytes) -> dict:
+    """Write a shard, then its checksum record; returns the record."""
+    record = {**plan_record(plan), "bytes": len(data), "sha256": sha256(data)}
     storage.write_bytes(plan.name, data)
     storage.write_bytes(plan.name + ".json", json.dumps(record, indent=2).encode())
     return record

@@ -64,13 +64,24 @@ class MlflowSpec(StrictModel):
     aliases: list[str] = Field(default_factory=list, description="aliases set on the new version, e.g. candidate")
 
 
+class OnlineData(StrictModel):
+    """`data: online`: hidden states captured while training, from the collection config's conversations."""
+
+    collect: str = Field(description="the collection's config file (jobs.collect_hidden_states'); its output is unused")
+    overrides: list[str] = Field([], description="key=value overrides of it")
+    prefetch_shards: int = Field(2, ge=1, description="shards captured ahead of each trainer (the memory bound)")
+
+
 class TrainConfig(StrictModel):
     """Drafter training with the EAGLE-3 training-time test on Ray Train."""
 
     name: str = Field(description="run name: the Ray Train run (a rerun resumes it) and the MLflow run")
     model: str = Field(description="target: a Hugging Face directory or a packaged model name")
     models_dir: str = "models"
-    data: str = Field(description="a finished collection (local directory or s3://), see jobs.collect_hidden_states")
+    data: str = Field(
+        description="a finished collection (local directory or s3://, see jobs.collect_hidden_states), or 'online'"
+    )
+    online: OnlineData | None = Field(None, description="with data: online, what is captured and how far ahead")
     output: str = Field(description="where the vLLM-format drafter is exported: local directory or s3://")
     drafter: DrafterSpec
     ttt_steps: int = Field(7, ge=1, description="drafting steps unrolled per position")
@@ -97,6 +108,8 @@ class TrainConfig(StrictModel):
     def _budget(self) -> TrainConfig:
         if self.max_steps is None and self.max_time_minutes is None:
             raise ValueError("set max_steps or max_time_minutes (or both): training needs an end")
+        if (self.data == "online") != (self.online is not None):
+            raise ValueError("data: online needs online.collect (a collection config), and online needs data: online")
         if self.drafter.fc_norm and self.drafter.norm_before_fc:
             raise ValueError("drafter.fc_norm and drafter.norm_before_fc are mutually exclusive")
         return self

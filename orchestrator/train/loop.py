@@ -9,6 +9,7 @@ worker r of W: ShardReader(train, rank=r) -> batches of <= batch_tokens -> Draft
 from __future__ import annotations
 
 import math
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -30,9 +31,10 @@ from orchestrator.train.state import DataPosition, Progress, load_position, load
 
 
 def sequence_stream(
-    data: str, rank: int, world: int, seed: int, position: DataPosition
+    data, rank: int, world: int, seed: int, position: DataPosition
 ) -> Iterator[tuple[HiddenStateSequence, DataPosition]]:
-    """This worker's training sequences, epoch after epoch (reshuffled), from `position` on."""
+    """This worker's training sequences, epoch after epoch (reshuffled), from `position` on (data: a collection's
+    location, or online shards)."""
     epoch, skip = position.epoch, position.consumed
     while True:
         for k, seq in enumerate(ShardReader(data, "train", rank, world, seed=seed + epoch)):
@@ -111,12 +113,23 @@ def _allreduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def evaluate(model: DraftTrainingModel, cfg: TrainConfig, rank: int, world: int, device, autocast) -> dict:
+def online_data(online: dict | None) -> tuple | None:
+    """`data: online`: this worker's views of the shards captured for it (data/online.py), one for training and
+    one for validation (each reader announces its own order), else None."""
+    if not online:
+        return None
+    from orchestrator.data.online import OnlineShards
+
+    args = (online["manifest"], online["plans"], online["workers"], online["prefetch"])
+    return OnlineShards(*args), OnlineShards(*args)
+
+
+def evaluate(model: DraftTrainingModel, cfg: TrainConfig, data, rank: int, world: int, device, autocast) -> dict:
     """Validation loss / accuracy per step over up to eval_max_sequences per worker (summed over workers).
     Runs the unwrapped model: DDP's forward syncs buffers, and workers may hold different numbers of batches."""
     model = getattr(model, "module", model)
     total = torch.zeros(3, cfg.ttt_steps)
-    reader = ShardReader(cfg.data, "validation", rank, world, seed=0, buffer_sequences=1)
+    reader = ShardReader(data, "validation", rank, world, seed=0, buffer_sequences=1)
     seqs = []
     for seq in reader:
         seqs.append(seq)
@@ -180,7 +193,8 @@ def train_loop_per_worker(config: dict) -> None:
 
     if checkpoint:
         log({"resumed_from_step": progress.step}, progress.step)
-    stream = batches(sequence_stream(cfg.data, rank, world, cfg.seed, position), cfg.batch_tokens)
+    data, validation = online_data(config.get("online")) or (cfg.data, cfg.data)
+    stream = batches(sequence_stream(data, rank, world, cfg.seed, position), cfg.batch_tokens)
     window = torch.zeros(3, cfg.ttt_steps, device=device)  # stays on the device: no host sync per step
     window_tokens, window_began = 0, time.perf_counter()
     began = time.perf_counter() - progress.elapsed_s
@@ -206,12 +220,19 @@ def train_loop_per_worker(config: dict) -> None:
         if progress.step % cfg.log_every_steps == 0 or _finished(cfg, progress):
             metrics, tokens = window_metrics(cfg, window, window_tokens, time.perf_counter() - window_began)
             progress.tokens += tokens
-            metrics.update(lr=lr, grad_norm=float(grad_norm), tokens_total=progress.tokens, epoch=position.epoch)
+            metrics.update(
+                lr=lr,
+                grad_norm=float(grad_norm),
+                tokens_total=progress.tokens,
+                epoch=position.epoch,
+                elapsed_min=progress.elapsed_s / 60,
+                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # this worker's
+            )
             log(metrics, progress.step)
             window.zero_()
             window_tokens, window_began = 0, time.perf_counter()
         if progress.step % cfg.eval_every_steps == 0 or _finished(cfg, progress):
-            log(evaluate(model, cfg, rank, world, device, autocast), progress.step)
+            log(evaluate(model, cfg, validation, rank, world, device, autocast), progress.step)
         if progress.step % cfg.checkpoint.every_steps == 0 or _finished(cfg, progress):
             save({"step": progress.step, "elapsed_s": progress.elapsed_s})
 

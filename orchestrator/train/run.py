@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.data.collect import start_capture_workers
 from orchestrator.data.storage import open_storage, upload_dir
 from orchestrator.errors import AerieError
 from orchestrator.jobrunner import init_ray
@@ -29,6 +30,7 @@ from orchestrator.tracking import client, fetch_drafter, register_drafter, resum
 from orchestrator.train.config import TrainConfig
 from orchestrator.train.loop import train_loop_per_worker
 from orchestrator.train.plots import plot_training
+from orchestrator.train.progress import TrainingBar
 from orchestrator.train.vocab import count_tokens, coverage, draft_vocab
 
 log = logging.getLogger(__name__)
@@ -83,10 +85,45 @@ def _storage_path(location: str):
     return location[len("s3://") :], fs
 
 
+def plan_online(cfg: TrainConfig, model_dir: Path) -> dict:
+    """`data: online`: the collection's plan (conversations rendered and cut into shards, nothing captured), its
+    manifest and that manifest's sha256 (the data's identity in MLflow)."""
+    from orchestrator.config import load_config
+    from orchestrator.data.collect import CollectConfig, online_manifest, plan_collection
+
+    collect = load_config(CollectConfig, cfg.online.collect, [*cfg.online.overrides, f"model={model_dir}"])
+    planned = plan_collection(collect, model_dir)
+    manifest = online_manifest(collect, model_dir, planned)
+    sha = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    return {
+        "manifest": manifest,
+        "manifest_sha256": sha,
+        "plans": planned.plans,
+        "collect": collect,
+        "num_capture_workers": collect.num_workers,
+    }
+
+
+def plan_token_counts(plans, vocab_size: int) -> torch.Tensor:
+    """`count_tokens` for online data: from the rendered sequences, before anything is captured."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for plan in plans:
+        if plan.split == "train":
+            for seq in plan.sequences:
+                counts += torch.bincount(seq.input_ids[seq.loss_mask], minlength=vocab_size)
+    if counts.sum() == 0:
+        raise AerieError("online data: the train split has no loss-masked tokens (empty dataset?)")
+    return counts
+
+
+def _online_loop_config(online: dict, cfg: TrainConfig) -> dict:
+    return {k: online[k] for k in ("manifest", "plans", "workers")} | {"prefetch": cfg.online.prefetch_shards}
+
+
 def _resolve_paths(cfg: TrainConfig) -> TrainConfig:
     """Local paths made absolute, so workers started in another directory see the same files."""
     updates = {}
-    if not cfg.data.startswith("s3://"):
+    if cfg.data != "online" and not cfg.data.startswith("s3://"):
         updates["data"] = str(Path(cfg.data).resolve())
     return cfg.model_copy(update=updates)
 
@@ -98,7 +135,8 @@ def run_training(cfg: TrainConfig) -> dict:
     cfg = _resolve_paths(cfg)
     model_dir = resolve_model(cfg.model, cfg.models_dir).resolve()
     hf = read_hf_config(model_dir)
-    manifest, manifest_sha = read_manifest(cfg.data)
+    online = plan_online(cfg, model_dir) if cfg.data == "online" else None
+    manifest, manifest_sha = (online["manifest"], online["manifest_sha256"]) if online else read_manifest(cfg.data)
     check_data(manifest, hf, model_dir, cfg.num_workers)
     aux = tuple(manifest["aux_layer_ids"])
     config = DrafterConfig.for_target(hf, aux, cfg.drafter.draft_vocab_size, cfg.drafter.variant, **cfg.drafter.flags())
@@ -115,7 +153,10 @@ def run_training(cfg: TrainConfig) -> dict:
         ):
             raise AerieError(f"init_from {cfg.drafter.init_from} has a different shape than the configured drafter")
 
-    counts = count_tokens(cfg.data, hf["vocab_size"])
+    if online:
+        counts = plan_token_counts(online["plans"], hf["vocab_size"])
+    else:
+        counts = count_tokens(cfg.data, hf["vocab_size"])
     vocab = draft_vocab(counts, cfg.drafter.draft_vocab_size)
     if warm_drafter is not None:
         vocab = torch.nonzero(warm_drafter.t2d).flatten()
@@ -136,6 +177,10 @@ def run_training(cfg: TrainConfig) -> dict:
         mlflow.set_tag(run_id, "variant", config.variant)
 
     init_ray(cfg.ray_address)
+    if online:
+        online["workers"] = start_capture_workers(
+            online.pop("collect"), model_dir, aux, online.pop("num_capture_workers"), write=False
+        )
     storage_path, filesystem = _storage_path(cfg.checkpoint.storage_path)
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -147,6 +192,7 @@ def run_training(cfg: TrainConfig) -> dict:
             "init_from_dir": init_dir,
             "tracking_uri": uri,
             "run_id": run_id,
+            "online": _online_loop_config(online, cfg) if online else None,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.num_workers,
@@ -161,7 +207,13 @@ def run_training(cfg: TrainConfig) -> dict:
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         ),
     )
-    result = trainer.fit()
+    with TrainingBar(mlflow, run_id, cfg):
+        result = trainer.fit()
+    if online:  # the capture actors' memory: the other half of online training's footprint
+        peaks = ray.get([w.peak_rss_mib.remote() for w in online["workers"]])
+        mlflow.log_metric(run_id, "capture_peak_rss_mib", max(peaks))
+        for w in online["workers"]:
+            ray.kill(w)
     if result.checkpoint is None:
         mlflow.set_terminated(run_id, status="FAILED")
         raise AerieError(f"training {cfg.name} ended without a checkpoint ({result.error})")

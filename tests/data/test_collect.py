@@ -250,3 +250,46 @@ def test_vllm_backend_gives_the_same_states(config, local_run, tmp_path):
         for key in ("aux_hidden", "final_hidden"):
             scale = ref[key].abs().max().item()
             torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_online_shards_give_the_offline_batches_with_bounded_prefetch(config, local_run):
+    """`train.data: online`: the trainer's first batches (two epochs' worth) are the offline collection's,
+    tensor for tensor, with no more than `prefetch` shards captured ahead; a resumed stream too."""
+    import itertools
+
+    import ray
+
+    from orchestrator.config import load_config
+    from orchestrator.data.collect import CollectConfig, online_manifest, plan_collection, start_capture_workers
+    from orchestrator.data.online import OnlineShards
+    from orchestrator.train.loop import _FIELDS, batches, sequence_stream
+    from orchestrator.train.state import DataPosition
+
+    cfg = load_config(CollectConfig, config, [f"output={local_run}"])
+    model_dir = Path(cfg.model)
+    planned = plan_collection(cfg, model_dir)
+    manifest = online_manifest(cfg, model_dir, planned)
+    assert manifest["online"] and manifest["splits"] == json.loads((local_run / "manifest.json").read_text())["splits"]
+    try:
+        workers = start_capture_workers(cfg, model_dir, planned.aux, 1, write=False)
+
+        def first(data, n: int, position=None):
+            stream = sequence_stream(data, 0, 1, seed=3, position=position or DataPosition())
+            return list(itertools.islice(batches(stream, 512), n))
+
+        def same(a, b):
+            assert [p for _, p in a] == [p for _, p in b]
+            for (xs, _), (ys, _) in zip(a, b, strict=True):
+                assert [x.conversation_id for x in xs] == [y.conversation_id for y in ys]
+                for x, y in zip(xs, ys, strict=True):
+                    assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in _FIELDS)
+
+        online = OnlineShards(manifest, planned.plans, workers, prefetch=2)
+        offline, streamed = first(str(local_run), 12), first(online, 12)
+        assert offline[-1][1].epoch >= 1  # past the first epoch: shards captured again, reshuffled
+        same(offline, streamed)
+        assert online.most_ahead <= 2 and not (local_run / "online").exists()
+        position = offline[3][1]
+        same(first(str(local_run), 3, position), first(OnlineShards(manifest, planned.plans, workers, 1), 3, position))
+    finally:
+        ray.shutdown()
