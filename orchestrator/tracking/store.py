@@ -51,17 +51,18 @@ def client(uri: str | None = None):
     return MlflowClient(tracking_uri=tracking_uri(uri))
 
 
-def resume_or_start_run(mlflow_client, experiment: str, name: str) -> tuple[str, bool]:
-    """The unfinished run of this training name (a rerun resumes it), else a new run: (run_id, resumed)."""
+def resume_or_start_run(mlflow_client, experiment: str, name: str, tag: str = TRAIN_NAME_TAG) -> tuple[str, bool]:
+    """The unfinished run tagged `tag` = `name` (a training's or a pipeline's: a rerun resumes it), else a new
+    run: (run_id, resumed)."""
     exp = mlflow_client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else mlflow_client.create_experiment(experiment)
     runs = mlflow_client.search_runs(
-        [exp_id], filter_string=f"tags.`{TRAIN_NAME_TAG}` = '{name}' and attributes.status != 'FINISHED'"
+        [exp_id], filter_string=f"tags.`{tag}` = '{name}' and attributes.status != 'FINISHED'"
     )
     if runs:
         mlflow_client.update_run(runs[0].info.run_id, status="RUNNING")
         return runs[0].info.run_id, True
-    run = mlflow_client.create_run(exp_id, run_name=name, tags={TRAIN_NAME_TAG: name})
+    run = mlflow_client.create_run(exp_id, run_name=name, tags={tag: name})
     return run.info.run_id, False
 
 

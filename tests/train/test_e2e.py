@@ -1,5 +1,7 @@
-"""Collection -> training (two Ray Train workers, killed and resumed) -> export -> MLflow registry ->
-evaluation, on a tiny random target that speaks SmolLM2's tokenizer; and clear errors before training."""
+"""The pipeline job (collect -> train on two Ray Train workers, killed and resumed -> export -> MLflow registry
+-> evaluate -> gate -> report), rerun to skip what is done, and its lineage walked back from the registered
+drafter to its data, on a tiny random target that speaks SmolLM2's tokenizer; evaluation from the registry;
+training from and to S3; and clear errors before training."""
 
 from __future__ import annotations
 
@@ -57,7 +59,6 @@ def root(tmp_path_factory, smollm2_dir) -> Path:
         "output": str(root / "data"),
     }
     (root / "collect.yaml").write_text(json.dumps(collect))
-    _ok(_job("collect_hidden_states", root / "collect.yaml"))
     train = {
         "name": "tiny",
         "model": str(tiny),
@@ -79,29 +80,65 @@ def root(tmp_path_factory, smollm2_dir) -> Path:
         "log_every_steps": 2,
     }
     (root / "train.yaml").write_text(json.dumps(train))
+    evaluate = {
+        "model": str(tiny),
+        "drafters": [{"name": "placeholder", "source": "set by the pipeline"}],
+        "sets": {
+            "mtbench_questions": 2,
+            "validation_prompts": 2,
+            "long_context_buckets": [256],
+            "long_context_per_bucket": 1,
+            "template_prompts": 1,
+        },
+        "methods": {"chain-3": {"method": "chain", "num_spec_tokens": 3}},
+        "max_tokens": 12,
+        "vllm_check": False,  # vLLM's CPU attention has no kernel for this tiny head size (16)
+        "output_dir": "set by the pipeline",
+    }
+    (root / "eval.yaml").write_text(json.dumps(evaluate))
+    pipeline = {
+        "name": "tiny-pipeline",
+        "model": str(tiny),
+        "registered_model": "tiny-drafter",
+        "collect": {"config": str(root / "collect.yaml")},
+        "train": {"config": str(root / "train.yaml"), "variants": ["eagle3.1"]},
+        "evaluate": {"config": str(root / "eval.yaml")},
+        "gate": {"method": "chain-3", "set": "all"},
+        "deploy": {"config": "configs/smollm2-135m/deploy.yaml", "when": "never"},
+        "benchmark": {"config": "configs/smollm2-135m/benchmark_serving.yaml", "enabled": False},
+        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+        "output_dir": str(root / "pipeline"),
+    }
+    (root / "pipeline.yaml").write_text(json.dumps(pipeline))
     return root
+
+
+def _stage(root: Path, key: str) -> dict:
+    return json.loads((root / "pipeline" / "state.json").read_text())[key]
 
 
 @pytest.fixture(scope="module")
 def trained(root) -> dict:
-    """Start training, SIGKILL the whole job once a checkpoint exists, then rerun it to completion."""
+    """Start the pipeline, SIGKILL the whole job once training has a checkpoint, then rerun it to the end."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train_drafter", "--config", str(root / "train.yaml")],
+        [sys.executable, "-m", "jobs.pipeline", "--config", str(root / "pipeline.yaml")],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
     deadline = time.monotonic() + 600
-    while not list((root / "ckpt" / "tiny").glob("checkpoint_*")):
+    while not list((root / "ckpt").glob("*/checkpoint_*")):
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (root / "drafter").exists(), "the first attempt finished before it could be stopped"
-    _ok(_job("train_drafter", root / "train.yaml"))
-    return json.loads((root / "drafter" / "result.json").read_text())
+    assert _stage(root, "collect")["status"] == "done" and _stage(root, "train-eagle3.1")["status"] == "running"
+    resumed = _job("pipeline", root / "pipeline.yaml")
+    _ok(resumed)
+    assert "collect: skipped" in resumed.stdout and "train-eagle3.1: running" in resumed.stdout
+    return _stage(root, "train-eagle3.1")["result"]
 
 
 def test_training_resumes_exports_and_registers(root, trained):
@@ -112,7 +149,7 @@ def test_training_resumes_exports_and_registers(root, trained):
     assert trained["steps"] == 40
     assert 2 <= trained["final_metrics"]["resumed_from_step"] < 40
     assert trained["registered"] == "models:/tiny-drafter/1"
-    drafter = load_drafter(root / "drafter")  # the vLLM layout, read with safetensors only
+    drafter = load_drafter(trained["exported"])  # the vLLM layout, read with safetensors only
     assert drafter.config.variant == "eagle3.1" and drafter.config.draft_vocab_size == 512
     # the tiny target is random, but its distribution is learnable: the drafter gets better than its start
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
@@ -123,16 +160,65 @@ def test_training_resumes_exports_and_registers(root, trained):
     assert run.data.params["drafter.variant"] == "eagle3.1" and run.data.params["num_workers"] == "2"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"drafter", "plots", "train_config.json"} <= artifacts
-    version = client.get_model_version_by_alias("tiny-drafter", "candidate")
+    version = client.get_model_version("tiny-drafter", "1")
     assert version.tags["variant"] == "eagle3.1" and len(version.tags["data_manifest_sha256"]) == 64
+
+
+def test_a_rerun_skips_every_finished_stage_and_reports(root, trained):
+    before = json.loads((root / "pipeline" / "state.json").read_text())
+    again = _job("pipeline", root / "pipeline.yaml")
+    _ok(again)
+    for stage in ("collect", "train-eagle3.1", "evaluate"):
+        assert f"{stage}: skipped" in again.stdout, again.stdout[-2000:]
+    after = json.loads((root / "pipeline" / "state.json").read_text())
+    assert {k: v["fingerprint"] for k, v in after.items()} == {k: v["fingerprint"] for k, v in before.items()}
+    report = json.loads((root / "pipeline" / "report.json").read_text())
+    assert report["gate"]["passed"] and report["deploy"] == {"skipped": "deploy.when is 'never'"}
+    assert report["stages"]["train-eagle3.1"]["status"] == "skipped"
+    markdown = (root / "pipeline" / "report.md").read_text()
+    assert "models:/tiny-drafter/1" in markdown and "![tau_by_set](tau_by_set.png)" in markdown
+    assert (root / "pipeline" / "tau_by_set.png").is_file()
+    changed = _job("pipeline", root / "pipeline.yaml", "evaluate.overrides=[max_tokens=8]")
+    _ok(changed)
+    assert "train-eagle3.1: skipped" in changed.stdout and "evaluate: running" in changed.stdout
+
+
+def test_lineage_from_the_registered_drafter_back_to_its_data(root, trained):
+    """A user holding models:/tiny-drafter/1 finds the data it was trained on, byte for byte, through MLflow."""
+    import hashlib
+
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    version = client.get_model_version("tiny-drafter", "1")
+    training = client.get_run(version.run_id)  # the version was registered from its training run
+    assert training.info.run_id == version.tags["aerie.training.run_id"]
+    pipeline_run = training.data.tags["mlflow.parentRunId"]
+    assert pipeline_run == version.tags["aerie.pipeline.run_id"]
+    collection = client.get_run(version.tags["aerie.collection.run_id"])
+    assert collection.data.tags["mlflow.parentRunId"] == pipeline_run  # both stages of the same pipeline run
+    manifest = Path(download_artifacts(run_id=collection.info.run_id, artifact_path="manifest.json", tracking_uri=uri))
+    sha = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert sha == version.tags["data_manifest_sha256"] == version.tags["aerie.collection.manifest_sha256"]
+    assert sha == training.data.params["data.manifest_sha256"]
+    assert training.data.params["data"] == collection.data.params["output"] == version.tags["aerie.collection"]
+    on_disk = Path(version.tags["aerie.collection"]) / "manifest.json"
+    assert hashlib.sha256(on_disk.read_bytes()).hexdigest() == sha  # and the shards it lists are still there
+    shards = json.loads(manifest.read_text())["shards"]
+    assert shards and all((on_disk.parent / s["name"]).is_file() for s in shards)
+    evaluation = client.get_run(version.tags["aerie.evaluation.run_id"])
+    assert evaluation.data.tags["mlflow.parentRunId"] == pipeline_run
+    assert float(version.tags["aerie.eval.tau.chain-3.all"]) >= 1.0 and version.tags["aerie.gate"] == "passed"
 
 
 def test_evaluation_reads_the_registry_and_reports_every_set(root, trained):
     cfg = {
         "model": str(root / "tiny-chat"),
         "drafters": [
-            {"name": "dir", "source": str(root / "drafter")},
-            {"name": "registry", "source": "models:/tiny-drafter@candidate"},
+            {"name": "dir", "source": trained["exported"]},
+            {"name": "registry", "source": "models:/tiny-drafter/1"},
         ],
         "data": str(root / "data"),
         "sets": {
@@ -148,8 +234,8 @@ def test_evaluation_reads_the_registry_and_reports_every_set(root, trained):
         "output_dir": str(root / "eval"),
         "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
     }
-    (root / "eval.yaml").write_text(json.dumps(cfg))
-    _ok(_job("evaluate_drafter", root / "eval.yaml"))
+    (root / "eval-two.yaml").write_text(json.dumps(cfg))
+    _ok(_job("evaluate_drafter", root / "eval-two.yaml"))
     result = json.loads((root / "eval" / "result.json").read_text())
     assert result["prompts"] == {"mtbench": 4, "validation": 2, "long_context": 2, "templates": 6}
     by_dir, by_registry = result["drafters"]["dir"]["engine"], result["drafters"]["registry"]["engine"]
@@ -162,6 +248,36 @@ def test_evaluation_reads_the_registry_and_reports_every_set(root, trained):
         "per_depth_acceptance.png",
         "tau_by_template.png",
     }
+
+
+def test_online_training_streams_states_and_writes_none(root, trained):
+    """`data: online`: the capture actors feed the trainer through Ray's object store; the run trains, exports,
+    and records the online manifest's hash; no shard is written anywhere."""
+    from mlflow import MlflowClient
+
+    before = sorted(p.name for p in (root / "data").iterdir())
+    proc = _job(
+        "train_drafter",
+        root / "train.yaml",
+        "name=tiny-online",
+        "data=online",
+        f"online.collect={root / 'collect.yaml'}",
+        f"online.overrides=[output={root / 'never-written'}]",
+        "online.prefetch_shards=1",
+        f"output={root / 'online-drafter'}",
+        "num_workers=1",
+        "max_steps=6",
+        "eval_every_steps=3",
+        "mlflow.registered_model=null",
+    )
+    _ok(proc)
+    result = json.loads((root / "online-drafter" / "result.json").read_text())
+    assert result["steps"] == 6 and result["tokens"] > 0
+    assert result["final_metrics"]["capture_peak_rss_mib"] > 0 and result["final_metrics"]["peak_rss_mib"] > 0
+    assert "val_loss_step_0" in result["final_metrics"]  # validation shards came online too
+    run = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_run(result["mlflow_run_id"])
+    assert run.data.params["data"] == "online" and len(run.data.params["data.manifest_sha256"]) == 64
+    assert not (root / "never-written").exists() and sorted(p.name for p in (root / "data").iterdir()) == before
 
 
 def test_s3_data_checkpoints_and_export(root, trained, s3_env, monkeypatch):

@@ -1,0 +1,34 @@
+"""The main job: prepare -> collect -> train -> evaluate -> gate -> deploy -> benchmark -> report.
+
+    python -m jobs.pipeline --config configs/smollm2-135m/pipeline.yaml [key=value ...]
+    RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m jobs.pipeline --config ...
+    (on the KubeRay clusters the code is in the image: clusters/rayjob-pipeline.yaml, no --working-dir)
+
+Rerunning skips every stage whose inputs did not change and resumes the one that stopped (collection keeps its
+good shards, training continues from its latest checkpoint). It deploys only to a running cluster: RAY_ADDRESS,
+or the local Ray that `aerie serve` started; without one the deploy stage is skipped and says so. Writes
+state.json, report.json, report.md and plots to output_dir; the MLflow pipeline run has a child run per stage.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from orchestrator.jobrunner import run_job
+from orchestrator.pipeline import PipelineConfig, run_pipeline
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def main(cfg: PipelineConfig) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`: a canary in flight gives its traffic back first
+    report = run_pipeline(cfg)
+    deploy = report["deploy"]
+    return 1 if deploy.get("decision") in ("rolled back", "failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_job(__doc__, PipelineConfig, main))

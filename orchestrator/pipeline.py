@@ -1,0 +1,557 @@
+"""The main job: one pipeline from data to a deployed drafter, resumable, with its lineage in MLflow.
+
+    prepare -> collect -> train (each variant) -> evaluate -> gate -> deploy -> benchmark -> report
+
+Each stage is one of the project's jobs, configured by that job's own config file plus `key=value` overrides;
+the pipeline wires their inputs and outputs (the collection the training reads, the registered versions the
+evaluation compares, the version the rollout deploys) and records each finished stage in
+`output_dir/state.json` with a fingerprint of everything it depends on (its resolved config and the
+fingerprints or data hashes upstream). A rerun skips every stage whose fingerprint is unchanged and whose
+output is still there, so it resumes where a failure or a kill stopped it; inside a stage the jobs resume too
+(collection keeps shards whose checksums hold, training continues from its latest checkpoint).
+
+The pipeline runs on the Ray cluster it finds: `ray_address`, RAY_ADDRESS (what `ray job submit` sets) or the
+local Ray that `aerie serve` started; without one it starts a private Ray for its stages, and the deploy stage
+(`deploy.when: auto`) is skipped with a note, because a deployment made there would die with the job.
+
+MLflow: the pipeline run is a parent run (experiment `mlflow_experiment`) with a child run per stage; the
+training and evaluation runs are the stages' own runs, made its children. The registered versions are tagged
+with the collection (location, manifest sha256, its run), the training run, the evaluation run and taus, the
+gate's decision, the pipeline run; the rollout adds its decision (`aerie.rollout`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from orchestrator.config import StrictModel, load_config
+from orchestrator.errors import AerieError
+
+log = logging.getLogger(__name__)
+PIPELINE_TAG = "aerie.pipeline"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+class StageFile(StrictModel):
+    config: str = Field(description="the stage's job config file (configs/...)")
+    overrides: list[str] = Field([], description="key=value overrides on top of it")
+
+
+class TrainStage(StageFile):
+    data: Literal["offline", "online"] = Field(
+        "offline", description="offline: train on the collect stage's shards; online: stream them (no collect stage)"
+    )
+    variants: list[Literal["eagle3.1", "eagle3"]] = Field(
+        ["eagle3.1", "eagle3"],
+        min_length=1,
+        description="drafters trained, same data and budget; the first is the candidate",
+    )
+
+
+class GateConfig(StrictModel):
+    method: str = Field("chain-5", description="evaluation method whose tau decides")
+    set: str = Field("mtbench", description="evaluation set whose tau decides (or 'all')")
+    tolerance: float = Field(0.0, ge=0, description="pass if the candidate's tau >= production's minus this")
+
+
+class DeployStage(StageFile):
+    when: Literal["auto", "always", "never"] = Field(
+        "auto", description="auto: roll out when a running cluster is found, else skip; always: refuse without one"
+    )
+
+
+class BenchmarkStage(StageFile):
+    enabled: bool = True
+
+
+class PipelineConfig(StrictModel):
+    """`python -m jobs.pipeline` settings."""
+
+    name: str = Field(description="the pipeline's name: its MLflow runs and training runs are named after it")
+    model: str = Field(description="target: a Hugging Face directory or a packaged model name")
+    models_dir: str = "models"
+    registered_model: str = Field(description="MLflow registered model the drafters become versions of")
+    production_alias: str = Field("production", description="the alias of the drafter in production")
+    collect: StageFile
+    train: TrainStage
+    evaluate: StageFile
+    gate: GateConfig = Field(default_factory=GateConfig)
+    deploy: DeployStage
+    benchmark: BenchmarkStage
+    ray_address: str | None = Field(None, description="None: RAY_ADDRESS, else a running local Ray, else a private one")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="None: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db"
+    )
+    mlflow_experiment: str = "aerie-pipelines"
+    output_dir: str = Field(description="state.json, the stages' outputs, report.json / report.md and plots")
+
+
+def fingerprint(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class State:
+    """`state.json`: per stage its fingerprint, result, duration and MLflow run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.stages: dict[str, dict] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def done(self, stage: str, fp: str) -> dict | None:
+        entry = self.stages.get(stage)
+        return entry if entry and entry.get("fingerprint") == fp and entry.get("status") == "done" else None
+
+    def record(self, stage: str, **entry) -> None:
+        self.stages[stage] = entry
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.stages, indent=2, default=str) + "\n")
+        tmp.replace(self.path)
+
+
+class Pipeline:
+    def __init__(self, cfg: PipelineConfig) -> None:
+        from orchestrator.tracking import client, tracking_uri
+
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.state = State(self.out / "state.json")
+        self.uri = tracking_uri(cfg.mlflow_tracking_uri)
+        self.mlflow = client(self.uri)
+        self.cluster: str | None = None  # the running cluster found, or None (a private Ray)
+        self.report: dict = {"name": cfg.name, "stages": {}}
+        self.parent = ""
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        print(f"[pipeline {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    def stage(self, key: str, fp: str, body: Callable[[], dict], check: Callable[[dict], bool] = lambda r: True):
+        """Run `body` unless state.json has this stage done with the same fingerprint and `check` accepts its
+        result; returns the result either way. A failure names the stage and what to do."""
+        done = self.state.done(key, fp)
+        if done is not None and check(done["result"]):
+            self.say(f"{key}: skipped (done {done['finished']}, same inputs)")
+            self.report["stages"][key] = {"status": "skipped", **{k: done[k] for k in ("seconds", "finished")}}
+            return done["result"]
+        self.say(f"{key}: running")
+        began = time.monotonic()
+        self.state.record(key, fingerprint=fp, status="running", started=time.strftime("%Y-%m-%d %H:%M:%S"))
+        try:
+            result = body()
+        except AerieError as err:
+            self.state.record(key, fingerprint=fp, status="failed", error=str(err))
+            raise AerieError(
+                f"pipeline stage {key} failed: {err} (fix that and rerun: done stages are skipped)"
+            ) from err
+        except Exception as err:
+            trace = self.out / f"{key}.error.txt"
+            trace.write_text(traceback.format_exc())
+            self.state.record(key, fingerprint=fp, status="failed", error=repr(err)[:500])
+            raise AerieError(
+                f"pipeline stage {key} failed: {type(err).__name__}: {str(err)[:300]} (traceback: {trace}); "
+                "rerun resumes from this stage"
+            ) from err
+        seconds = round(time.monotonic() - began, 1)
+        finished = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.state.record(key, fingerprint=fp, status="done", result=result, seconds=seconds, finished=finished)
+        self.report["stages"][key] = {"status": "ran", "seconds": seconds, "finished": finished}
+        self.say(f"{key}: done in {seconds:.0f} s")
+        return result
+
+    def load(self, key: str, model, stage: StageFile, wiring: list[str]):
+        """A stage's job config: its file, its overrides, then the pipeline's wiring; errors name the stage."""
+        try:
+            return load_config(model, stage.config, [*stage.overrides, *wiring])
+        except AerieError as err:
+            raise AerieError(f"pipeline stage {key}: {err} (in {key}.config / {key}.overrides)") from err
+
+    def child_run(self, stage: str, params: dict, metrics: dict | None = None, artifacts: dict | None = None) -> str:
+        """A child run of the pipeline run for a stage that has no run of its own."""
+        from mlflow.entities import Metric, Param
+
+        from orchestrator.redaction import redact
+
+        exp = self.mlflow.get_experiment_by_name(self.cfg.mlflow_experiment).experiment_id
+        run = self.mlflow.create_run(
+            exp, run_name=f"{self.cfg.name} {stage}", tags={PARENT_TAG: self.parent, PIPELINE_TAG: self.cfg.name}
+        )
+        flat = {
+            k: json.dumps(v, default=str) if isinstance(v, dict | list) else str(v) for k, v in redact(params).items()
+        }
+        ps = [Param(k[:250], v[:6000]) for k, v in flat.items()]
+        ms = [Metric(k, float(v), 0, 0) for k, v in (metrics or {}).items() if isinstance(v, int | float)]
+        for start in range(0, max(len(ps), len(ms), 1), 100):
+            self.mlflow.log_batch(run.info.run_id, metrics=ms[start : start + 100], params=ps[start : start + 100])
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, content in (artifacts or {}).items():
+                path = Path(tmp) / name
+                path.write_bytes(content if isinstance(content, bytes) else json.dumps(content, indent=2).encode())
+                self.mlflow.log_artifact(run.info.run_id, str(path))
+        self.mlflow.set_terminated(run.info.run_id)
+        return run.info.run_id
+
+    def adopt(self, run_id: str) -> None:
+        """Make a stage's own run (training, evaluation) a child of this pipeline run."""
+        self.mlflow.set_tag(run_id, PARENT_TAG, self.parent)
+        self.mlflow.set_tag(run_id, PIPELINE_TAG, self.cfg.name)
+
+    def start_parent(self) -> None:
+        from orchestrator.tracking.store import resume_or_start_run
+
+        self.parent, resumed = resume_or_start_run(self.mlflow, self.cfg.mlflow_experiment, self.cfg.name, PIPELINE_TAG)
+        self.say(f"MLflow run {self.parent} ({'resumed' if resumed else 'new'}) at {self.uri_shown()}")
+
+    def uri_shown(self) -> str:
+        from orchestrator.redaction import redact_text
+
+        return redact_text(self.uri)
+
+    def find_cluster(self) -> None:
+        """The running cluster every stage uses, or None (stages start a private Ray; no deployment)."""
+        import os
+
+        import ray
+
+        from orchestrator.jobrunner import connect_to_running_cluster
+
+        try:
+            connect_to_running_cluster(self.cfg.ray_address)
+            self.cluster = self.cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+            self.say(f"on the running Ray cluster ({ray.get_runtime_context().gcs_address})")
+        except AerieError as err:
+            if self.cfg.deploy.when == "always":
+                raise AerieError(f"deploy.when is 'always' but {err}") from err
+            self.say("no running Ray cluster: the stages run on a private Ray; the deploy stage will be skipped")
+
+    def check_keys(self) -> None:
+        """The benchmark's and the rollout's backends start only with an API key (and their clients send it):
+        on this job's private Ray one is made as `aerie serve` makes it; on a cluster it must be configured."""
+        from orchestrator.serving.guard import api_keys, ensure_local_key
+
+        if not self.cfg.benchmark.enabled and (self.cfg.deploy.when == "never" or self.cluster is None):
+            return
+        if self.cluster is None and (written := ensure_local_key()) is not None:
+            self.say(f"wrote a new API key to {written} (the benchmark's server and clients use it)")
+        api_keys()
+
+    # -- the stages -------------------------------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Every stage's config read and validated before the first stage starts: a typo in the deploy
+        stage fails now, not after the training."""
+        from orchestrator.benchmarks.serving import BenchmarkServingConfig
+        from orchestrator.data.collect import CollectConfig
+        from orchestrator.evaluation import EvalConfig
+        from orchestrator.serving.launch import read_serve_config
+        from orchestrator.serving.rollout import DeployConfig
+        from orchestrator.train.config import TrainConfig
+
+        self.load("collect", CollectConfig, self.cfg.collect, [])
+        self.load("train", TrainConfig, self.cfg.train, [])
+        self.load("evaluate", EvalConfig, self.cfg.evaluate, [])
+        if self.cfg.deploy.when != "never":
+            deploy = self.load("deploy", DeployConfig, self.cfg.deploy, [])
+            read_serve_config(deploy.app, [*deploy.app_overrides, "drafter=null", "speculation=false"])
+        if self.cfg.benchmark.enabled:
+            bench = self.load("benchmark", BenchmarkServingConfig, self.cfg.benchmark, [])
+            read_serve_config(bench.app, [*bench.app_overrides, "drafter=null", "speculation=false"])
+
+    def run(self) -> dict:
+        began = time.monotonic()
+        self.preflight()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start_parent()
+        self.find_cluster()
+        self.check_keys()
+        try:
+            model_dir = self.prepare()
+            collection = self.collect(model_dir) if self.cfg.train.data == "offline" else self.online_data()
+            trained = {v: self.train(model_dir, collection, v) for v in self.cfg.train.variants}
+            evaluation = self.evaluate(collection, trained)
+            gate = self.gate(trained, evaluation, collection)
+            deployment = self.deploy(trained, gate)
+            benchmark = self.benchmark(trained)
+        except BaseException:
+            self.mlflow.set_terminated(self.parent, status="FAILED")
+            raise
+        self.report.update(
+            seconds=round(time.monotonic() - began, 1),
+            mlflow={"tracking_uri": self.uri_shown(), "pipeline_run": self.parent},
+            collection=collection,
+            trained=trained,
+            evaluation=evaluation,
+            gate=gate,
+            deploy=deployment,
+            benchmark=benchmark,
+        )
+        from orchestrator.pipeline_report import write_report
+
+        files = write_report(self.report, self.out)
+        for path in files:
+            self.mlflow.log_artifact(self.parent, str(path), "report")
+        self.mlflow.set_terminated(self.parent)
+        self.say(f"report: {files[1]} ({self.report['seconds']:.0f} s)")
+        return self.report
+
+    def prepare(self) -> Path:
+        from orchestrator.models.prepare import resolve_model
+
+        self.say("prepare: the target model")
+        return resolve_model(self.cfg.model, self.cfg.models_dir).resolve()
+
+    def collect(self, model_dir: Path) -> dict:
+        from orchestrator.data.collect import CollectConfig, run_collection
+        from orchestrator.data.storage import open_storage
+
+        cfg = self.load("collect", CollectConfig, self.cfg.collect, [f"model={model_dir}"])
+
+        def body() -> dict:
+            result = run_collection(cfg, model_dir)
+            if not result["complete"]:
+                raise AerieError(f"collection {cfg.output} is incomplete ({result['shards_planned']} planned)")
+            storage = open_storage(cfg.output)
+            storage.write_bytes("result.json", json.dumps(result, indent=2).encode())
+            raw = storage.read_bytes("manifest.json")
+            sha = hashlib.sha256(raw).hexdigest()
+            summary = {k: v for k, v in result.items() if k != "datasets"}
+            run_id = self.child_run(
+                "collect",
+                {"config": cfg.model_dump(mode="json"), "output": result["output"], "manifest_sha256": sha},
+                {k: v for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+                {"manifest.json": raw, "result.json": result},
+            )
+            return {"output": result["output"], "manifest_sha256": sha, "run_id": run_id, "summary": summary}
+
+        def still_there(result: dict) -> bool:
+            storage = open_storage(cfg.output)
+            return (
+                storage.exists("manifest.json")
+                and hashlib.sha256(storage.read_bytes("manifest.json")).hexdigest() == result["manifest_sha256"]
+            )
+
+        return self.stage("collect", fingerprint(cfg.model_dump(mode="json")), body, still_there)
+
+    def online_data(self) -> dict:
+        """train.data: online: no collect stage; the training captures the collect config's shards as it reads."""
+        self._skip("collect", "train.data is online: the trainers read hidden states captured for them")
+        ident = fingerprint(self.cfg.collect.model_dump(mode="json"))
+        return {"output": "online", "manifest_sha256": ident, "run_id": None, "online": self.cfg.collect}
+
+    def train(self, model_dir: Path, collection: dict, variant: str) -> dict:
+        from orchestrator.train.config import OnlineData, TrainConfig
+        from orchestrator.train.run import run_training
+
+        wiring = [*self._train_wiring(model_dir), f"data={collection['output']}"]
+        base = self.load("train", TrainConfig, self.cfg.train, wiring)
+        updates = {"drafter": base.drafter.model_copy(update={"variant": variant})}
+        if collection["output"] == "online":
+            updates["online"] = OnlineData(collect=self.cfg.collect.config, overrides=self.cfg.collect.overrides)
+        cfg = TrainConfig.model_validate({**base.model_dump(), **{k: v.model_dump() for k, v in updates.items()}})
+        fp = fingerprint(cfg.model_dump(mode="json", exclude={"name", "output"}), collection["manifest_sha256"])
+        # one training run per (config, data): a changed config trains afresh, the same one resumes its checkpoint
+        cfg = cfg.model_copy(
+            update={"name": f"{self.cfg.name}-{variant}-{fp[:8]}", "output": str(self.out / "drafters" / variant)}
+        )
+
+        def body() -> dict:
+            result = run_training(cfg)
+            self.adopt(result["mlflow_run_id"])
+            return result
+
+        def still_there(result: dict) -> bool:
+            return (Path(result["exported"]) / "config.json").is_file() and self._version_exists(result["registered"])
+
+        return self.stage(f"train-{variant}", fp, body, still_there)
+
+    def _train_wiring(self, model_dir: Path) -> list[str]:
+        return [
+            f"model={model_dir}",
+            f"mlflow.registered_model={self.cfg.registered_model}",
+            "mlflow.aliases=[]",
+            *([f"mlflow.tracking_uri={self.cfg.mlflow_tracking_uri}"] if self.cfg.mlflow_tracking_uri else []),
+        ]
+
+    def _version_exists(self, uri: str | None) -> bool:
+        if not uri:
+            return False
+        name, _, version = uri[len("models:/") :].partition("/")
+        try:
+            self.mlflow.get_model_version(name, version)
+        except Exception:
+            return False
+        return True
+
+    def production(self) -> str | None:
+        """models:/NAME/VERSION of the drafter in production (the alias a promotion moves), if any."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            v = self.mlflow.get_model_version_by_alias(self.cfg.registered_model, self.cfg.production_alias)
+        except MlflowException:
+            return None
+        return f"models:/{self.cfg.registered_model}/{v.version}"
+
+    def evaluate(self, collection: dict, trained: dict) -> dict:
+        from orchestrator.evaluation import EvalConfig, run_evaluation
+
+        drafters = [{"name": v, "source": r["registered"]} for v, r in trained.items()]
+        production = self.production()
+        if production and production not in [d["source"] for d in drafters]:
+            drafters.insert(0, {"name": "production", "source": production})
+        wiring = [
+            f"model={self.cfg.model}",
+            f"models_dir={self.cfg.models_dir}",
+            f"data={collection['output'] if collection['output'] != 'online' else 'null'}",
+            f"output_dir={self.out / 'evaluate'}",
+            *([f"mlflow_tracking_uri={self.cfg.mlflow_tracking_uri}"] if self.cfg.mlflow_tracking_uri else []),
+        ]
+        cfg = self.load("evaluate", EvalConfig, self.cfg.evaluate, wiring)
+        cfg = EvalConfig.model_validate({**cfg.model_dump(), "drafters": drafters})
+
+        def body() -> dict:
+            result = run_evaluation(cfg)
+            self.adopt(result["mlflow_run_id"])
+            return result
+
+        return self.stage(
+            "evaluate",
+            fingerprint(cfg.model_dump(mode="json")),
+            body,
+            lambda r: (Path(cfg.output_dir) / "result.json").is_file(),
+        )
+
+    def tau(self, evaluation: dict, name: str) -> float:
+        entry = evaluation["drafters"][name]["engine"]
+        method = entry.get(self.cfg.gate.method)
+        if method is None:
+            raise AerieError(f"gate.method {self.cfg.gate.method!r} is not an evaluation method: {list(entry)[:-1]}")
+        if self.cfg.gate.set == "all":
+            return method["overall"]["acceptance_length"]
+        if self.cfg.gate.set not in method["sets"]:
+            raise AerieError(f"gate.set {self.cfg.gate.set!r} was not evaluated: {list(method['sets'])}")
+        return method["sets"][self.cfg.gate.set]["acceptance_length"]
+
+    def gate(self, trained: dict, evaluation: dict, collection: dict) -> dict:
+        """The candidate (the first variant) against the drafter in production, on the evaluation's prompts."""
+        candidate = self.cfg.train.variants[0]
+        tau = self.tau(evaluation, candidate)
+        production = self.tau(evaluation, "production") if "production" in evaluation["drafters"] else None
+        passed = production is None or tau >= production - self.cfg.gate.tolerance
+        where = f"{self.cfg.gate.method} on {self.cfg.gate.set}"
+        reason = (
+            f"no drafter in production; candidate tau {tau:.3f} ({where})"
+            if production is None
+            else f"candidate tau {tau:.3f} vs production {production:.3f} - {self.cfg.gate.tolerance} ({where})"
+        )
+        gate = {
+            "candidate": trained[candidate]["registered"],
+            "production": evaluation["drafters"].get("production", {}).get("source"),
+            "candidate_tau": tau,
+            "production_tau": production,
+            "passed": passed,
+            "reason": reason,
+        }
+        self.say(f"gate: {'passed' if passed else 'FAILED'}: {reason}")
+        gate["run_id"] = self.child_run("gate", {k: v for k, v in gate.items() if v is not None})
+        self._tag_versions(trained, evaluation, gate, collection)
+        self.report["stages"]["gate"] = {"status": "ran", "passed": passed}
+        return gate
+
+    def _tag_versions(self, trained: dict, evaluation: dict, gate: dict, collection: dict) -> None:
+        """What a user walking back from a version needs: data, training, evaluation, the gate, this pipeline."""
+        for variant, result in trained.items():
+            name, _, version = result["registered"][len("models:/") :].partition("/")
+            tags = {
+                "aerie.collection": collection["output"],
+                "aerie.collection.manifest_sha256": collection["manifest_sha256"],
+                "aerie.collection.run_id": collection["run_id"] or "",
+                "aerie.training.run_id": result["mlflow_run_id"],
+                "aerie.evaluation.run_id": evaluation["mlflow_run_id"],
+                "aerie.pipeline.run_id": self.parent,
+            }
+            for method, e in evaluation["drafters"][variant]["engine"].items():
+                if method != "draft_vocab_coverage":
+                    for key, s in {"all": e["overall"], **e["sets"]}.items():
+                        tags[f"aerie.eval.tau.{method}.{key}"] = f"{s['acceptance_length']:.3f}"
+            if result["registered"] == gate["candidate"]:
+                tags["aerie.gate"] = "passed" if gate["passed"] else "failed"
+                tags["aerie.gate.reason"] = gate["reason"]
+            for key, value in tags.items():
+                self.mlflow.set_model_version_tag(name, version, key, value)
+
+    def deploy(self, trained: dict, gate: dict) -> dict:
+        from orchestrator.serving.rollout import DeployConfig, run_rollout
+
+        if self.cfg.deploy.when == "never":
+            return self._skip("deploy", "deploy.when is 'never'")
+        if not gate["passed"]:
+            return self._skip("deploy", f"the gate failed: {gate['reason']}")
+        if self.cluster is None:
+            return self._skip(
+                "deploy",
+                "no running Ray cluster (start `aerie serve --config configs/smollm2-135m/serve.yaml` first, or "
+                "set RAY_ADDRESS): a deployment on this job's private Ray would die with it",
+            )
+        wiring = [f"drafter={gate['candidate']}", f"output_dir={self.out / 'deploy'}"]
+        if self.cfg.mlflow_tracking_uri:
+            wiring.append(f"tracking_uri={self.cfg.mlflow_tracking_uri}")
+        cfg = self.load("deploy", DeployConfig, self.cfg.deploy, wiring)
+
+        def body() -> dict:
+            record = run_rollout(cfg)
+            summary = {k: record.get(k) for k in ("decision", "app", "drafter", "reason", "acceptance", "record_dir")}
+            summary["endpoint"] = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix}"
+            summary["run_id"] = self.child_run("deploy", summary, artifacts={"record.json": record})
+            if record["decision"] == "failed":
+                raise AerieError(f"the candidate did not start: {record.get('reason')}")
+            return summary
+
+        return self.stage("deploy", fingerprint(cfg.model_dump(mode="json")), body)
+
+    def _skip(self, key: str, reason: str) -> dict:
+        self.say(f"{key}: skipped: {reason}")
+        self.report["stages"][key] = {"status": "skipped", "reason": reason}
+        return {"skipped": reason}
+
+    def benchmark(self, trained: dict) -> dict:
+        from orchestrator.benchmarks.serving import BenchmarkServingConfig, run_serving_benchmark
+
+        if not self.cfg.benchmark.enabled:
+            return self._skip("benchmark", "benchmark.enabled is false")
+        candidate = trained[self.cfg.train.variants[0]]["registered"]
+        base = self.load(
+            "benchmark", BenchmarkServingConfig, self.cfg.benchmark, [f"output_dir={self.out / 'benchmark'}"]
+        )
+        cfg = base.model_copy(update={"app_overrides": [*base.app_overrides, f"drafter={candidate}"]})
+
+        def body() -> dict:
+            out = Path(cfg.output_dir)
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
+            result = run_serving_benchmark(cfg, out)
+            from orchestrator.jobrunner import write_result
+
+            write_result(out, {"config": cfg.model_dump(), **result})
+            metrics = {f"speedup_c{c}": v for c, v in (result.get("speedup") or {}).items()}
+            result["run_id"] = self.child_run("benchmark", {"config": cfg.model_dump(mode="json")}, metrics)
+            return result
+
+        return self.stage("benchmark", fingerprint(cfg.model_dump(mode="json")), body)
+
+
+def run_pipeline(cfg: PipelineConfig) -> dict:
+    return Pipeline(cfg).run()

@@ -1,0 +1,126 @@
+"""The pipeline's bookkeeping without running a job: a stage runs once per fingerprint and is skipped after,
+reruns when its inputs or its output change, and a failing stage names itself; bad configs and a deploy
+without a running cluster fail in one line before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import AerieError
+from orchestrator.pipeline import Pipeline, PipelineConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _job(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", f"jobs.{module}", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**base, **(env or {})},
+    )
+
+
+@pytest.fixture
+def pipeline(tmp_path) -> Pipeline:
+    cfg = PipelineConfig.model_validate(
+        {
+            "name": "p",
+            "model": "m",
+            "registered_model": "r",
+            "collect": {"config": "c.yaml"},
+            "train": {"config": "t.yaml"},
+            "evaluate": {"config": "e.yaml"},
+            "deploy": {"config": "d.yaml"},
+            "benchmark": {"config": "b.yaml"},
+            "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "output_dir": str(tmp_path / "out"),
+        }
+    )
+    return Pipeline(cfg)
+
+
+def test_a_stage_runs_once_per_fingerprint(pipeline, capsys):
+    calls = []
+
+    def body():
+        calls.append(1)
+        return {"n": len(calls)}
+
+    assert pipeline.stage("s", "fp1", body) == {"n": 1}
+    assert pipeline.stage("s", "fp1", body) == {"n": 1} and len(calls) == 1  # skipped
+    assert "s: skipped" in capsys.readouterr().out
+    assert pipeline.stage("s", "fp2", body) == {"n": 2}  # inputs changed
+    assert pipeline.stage("s", "fp2", body, check=lambda r: False) == {"n": 3}  # its output is gone
+    again = Pipeline(pipeline.cfg)  # a new process reads state.json
+    assert again.stage("s", "fp2", body) == {"n": 3} and len(calls) == 3
+
+
+def test_a_failing_stage_names_itself_and_is_not_done(pipeline):
+    def broken():
+        raise ValueError("disk full")
+
+    with pytest.raises(AerieError, match=r"pipeline stage train-eagle3 failed: ValueError: disk full \(traceback: "):
+        pipeline.stage("train-eagle3", "fp", broken)
+    assert pipeline.state.stages["train-eagle3"]["status"] == "failed"
+    assert "ValueError" in (Path(pipeline.cfg.output_dir) / "train-eagle3.error.txt").read_text()
+    assert pipeline.stage("train-eagle3", "fp", lambda: {"ok": True}) == {"ok": True}  # a rerun runs it
+
+
+def test_the_gate_reads_the_configured_method_and_set(pipeline):
+    evaluation = {
+        "drafters": {
+            "eagle3.1": {
+                "engine": {
+                    "chain-5": {"overall": {"acceptance_length": 1.8}, "sets": {"mtbench": {"acceptance_length": 1.6}}},
+                    "draft_vocab_coverage": {},
+                }
+            }
+        }
+    }
+    assert pipeline.tau(evaluation, "eagle3.1") == 1.6
+    pipeline.cfg.gate.set = "all"
+    assert pipeline.tau(evaluation, "eagle3.1") == 1.8
+    pipeline.cfg.gate.method = "tree"
+    with pytest.raises(AerieError, match=r"gate.method 'tree' is not an evaluation method: \['chain-5'\]"):
+        pipeline.tau(evaluation, "eagle3.1")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.config=nope.yaml", "pipeline stage train: config file 'nope.yaml' does not exist"),
+        ("deploy.overrides=[window_s=-1]", "pipeline stage deploy: configs/smollm2-135m/deploy.yaml: window_s: Input"),
+        ("train.variants=[eagle4]", "train.variants.0: Input should be 'eagle3.1' or 'eagle3'"),
+    ],
+)
+def test_bad_stage_configs_fail_in_one_line_before_any_stage(tmp_path, override, message):
+    proc = _job("pipeline", "--config", "configs/smollm2-135m/pipeline.yaml", override, f"output_dir={tmp_path}/out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_deploy_refuses_without_a_running_cluster(tmp_path):
+    """No RAY_ADDRESS and no `aerie serve` on this machine: a deployment would die with the job, so it refuses."""
+    proc = _job(
+        "deploy",
+        "--config",
+        "configs/smollm2-135m/deploy.yaml",
+        "drafter=null",
+        "app_overrides=[speculation=false]",
+        f"output_dir={tmp_path}/deploy",
+        env={"XDG_CONFIG_HOME": str(tmp_path / "cfg"), "AERIE_API_KEY": "k" * 32},
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: no running cluster to deploy to: start the server first (`aerie serve")
+    assert not (tmp_path / "deploy").exists()
