@@ -369,7 +369,7 @@ class Pipeline:
         def body() -> dict:
             result = run_training(cfg)
             self.adopt(result["mlflow_run_id"])
-            return result
+            return {**result, "pipeline_run_id": self.parent}  # the run it trained under (later runs skip it)
 
         def still_there(result: dict) -> bool:
             return (Path(result["exported"]) / "config.json").is_file() and self._version_exists(result["registered"])
@@ -480,7 +480,7 @@ class Pipeline:
                 "aerie.collection.run_id": collection["run_id"] or "",
                 "aerie.training.run_id": result["mlflow_run_id"],
                 "aerie.evaluation.run_id": evaluation["mlflow_run_id"],
-                "aerie.pipeline.run_id": self.parent,
+                "aerie.pipeline.run_id": result.get("pipeline_run_id", self.parent),
             }
             for method, e in evaluation["drafters"][variant]["engine"].items():
                 if method != "draft_vocab_coverage":

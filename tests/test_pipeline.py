@@ -124,3 +124,41 @@ def test_deploy_refuses_without_a_running_cluster(tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: no running cluster to deploy to: start the server first (`aerie serve")
     assert not (tmp_path / "deploy").exists()
+
+
+def _config_class(stem: str):
+    """The job (or Serve application) a config file of configs/smollm2-135m/ belongs to, by its name."""
+    from orchestrator.benchmarks.generate import BenchmarkGenerateConfig
+    from orchestrator.benchmarks.serving import BenchmarkServingConfig
+    from orchestrator.benchmarks.training_data import BenchmarkTrainingDataConfig
+    from orchestrator.data.collect import CollectConfig
+    from orchestrator.evaluation import EvalConfig
+    from orchestrator.serving.rollout import DeployConfig
+    from orchestrator.train.config import TrainConfig
+
+    prefixes = {
+        "collect": CollectConfig,
+        "train": TrainConfig,
+        "evaluate": EvalConfig,
+        "deploy": DeployConfig,
+        "pipeline": PipelineConfig,
+        "benchmark_generate": BenchmarkGenerateConfig,
+        "benchmark_serving": BenchmarkServingConfig,
+        "benchmark_training_data": BenchmarkTrainingDataConfig,
+    }
+    return next(cls for prefix, cls in prefixes.items() if stem.startswith(prefix))
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "configs/smollm2-135m").glob("*.yaml")))
+def test_every_embedded_default_config_validates(path, monkeypatch):
+    from orchestrator.config import load_config
+    from orchestrator.serving.launch import read_serve_config
+
+    monkeypatch.chdir(REPO)
+    file = f"configs/smollm2-135m/{path}"
+    if path.startswith("serve"):
+        read_serve_config(file, ["speculation=false"])  # the drafter is trained by `make drafters`
+        return
+    cfg = load_config(_config_class(Path(path).stem), file)
+    if isinstance(cfg, PipelineConfig):  # and every stage's file with its overrides
+        Pipeline(cfg.model_copy(update={"output_dir": "/nonexistent"})).preflight()
