@@ -448,7 +448,9 @@ class Pipeline:
         """The candidate (the first variant) against the drafter in production, on the evaluation's prompts."""
         candidate = self.cfg.train.variants[0]
         tau = self.tau(evaluation, candidate)
-        production = self.tau(evaluation, "production") if "production" in evaluation["drafters"] else None
+        in_production = self.production()  # one of this pipeline's versions, or the "production" column
+        name = next((n for n, e in evaluation["drafters"].items() if e["source"] == in_production), None)
+        production = self.tau(evaluation, name) if name is not None else None
         passed = production is None or tau >= production - self.cfg.gate.tolerance
         where = f"{self.cfg.gate.method} on {self.cfg.gate.set}"
         reason = (
@@ -458,7 +460,7 @@ class Pipeline:
         )
         gate = {
             "candidate": trained[candidate]["registered"],
-            "production": evaluation["drafters"].get("production", {}).get("source"),
+            "production": in_production,
             "candidate_tau": tau,
             "production_tau": production,
             "passed": passed,
@@ -499,6 +501,8 @@ class Pipeline:
             return self._skip("deploy", "deploy.when is 'never'")
         if not gate["passed"]:
             return self._skip("deploy", f"the gate failed: {gate['reason']}")
+        if gate["candidate"] == gate["production"]:
+            return self._skip("deploy", f"{gate['candidate']} is in production already")
         if self.cluster is None:
             return self._skip(
                 "deploy",

@@ -162,3 +162,43 @@ def test_every_embedded_default_config_validates(path, monkeypatch):
     cfg = load_config(_config_class(Path(path).stem), file)
     if isinstance(cfg, PipelineConfig):  # and every stage's file with its overrides
         Pipeline(cfg.model_copy(update={"output_dir": "/nonexistent"})).preflight()
+
+
+def _evaluated(tau: float) -> dict:
+    return {
+        "engine": {
+            "chain-5": {"overall": {"acceptance_length": tau}, "sets": {"mtbench": {"acceptance_length": tau}}},
+            "draft_vocab_coverage": {},
+        }
+    }
+
+
+def test_the_gate_compares_the_candidate_with_the_version_in_production(pipeline):
+    """Production is whatever the alias points at, one of this pipeline's versions included; the verdict is
+    tagged on the versions, and a candidate already in production is not deployed again."""
+    registry = pipeline.mlflow
+    registry.create_registered_model("r")
+    for _ in range(2):
+        registry.create_model_version("r", "file:///nonexistent")
+    registry.set_registered_model_alias("r", "production", "1")
+    pipeline.start_parent()
+    trained = {
+        "eagle3.1": {"registered": "models:/r/2", "mlflow_run_id": "train-2"},
+        "eagle3": {"registered": "models:/r/1", "mlflow_run_id": "train-1"},
+    }
+    evaluation = {
+        "mlflow_run_id": "eval",
+        "drafters": {
+            "eagle3.1": {"source": "models:/r/2", **_evaluated(1.5)},
+            "eagle3": {"source": "models:/r/1", **_evaluated(1.6)},
+        },
+    }
+    collection = {"output": "data", "manifest_sha256": "sha", "run_id": "collect"}
+    gate = pipeline.gate(trained, evaluation, collection)
+    assert gate["production"] == "models:/r/1" and gate["production_tau"] == 1.6 and not gate["passed"]
+    assert registry.get_model_version("r", "2").tags["aerie.gate"] == "failed"
+    assert registry.get_model_version("r", "1").tags["aerie.collection.manifest_sha256"] == "sha"
+    assert pipeline.deploy(trained, gate) == {"skipped": f"the gate failed: {gate['reason']}"}
+    registry.set_registered_model_alias("r", "production", "2")
+    gate = pipeline.gate(trained, evaluation, collection)
+    assert gate["passed"] and pipeline.deploy(trained, gate) == {"skipped": "models:/r/2 is in production already"}
