@@ -45,16 +45,25 @@ def note_local_cluster() -> None:
 
     path = local_cluster_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"address": ray.get_runtime_context().gcs_address, "pid": os.getpid()}) + "\n")
+    noted = {
+        "address": ray.get_runtime_context().gcs_address,
+        "pid": os.getpid(),
+        "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled"),  # a new local Ray turns token auth on itself
+    }
+    path.write_text(json.dumps(noted) + "\n")
     atexit.register(lambda: path.unlink(missing_ok=True))
 
 
 def _noted_local_cluster() -> str | None:
+    """The address `aerie serve` noted, if it still runs; this process then speaks its auth mode (the token
+    itself is the user's, in ~/.ray/auth_token)."""
     try:
         noted = json.loads(local_cluster_file().read_text())
         os.kill(noted["pid"], 0)  # the `aerie serve` that started it still runs
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if noted.get("auth_mode") == "token":
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     return noted["address"]
 
 
