@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -522,6 +523,10 @@ def _record_in_registry(cfg: DeployConfig, record: dict) -> None:
     print(f"[deploy] {name} version {version}: {decision}", flush=True)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 def serve_app(
     path: str | Path | None,
     overrides: list[str] | None = None,
@@ -566,7 +571,8 @@ def serve_app(
     print(f"serving {name} at {url}", flush=True)
     if not (os.environ.get(API_KEY_ENV) or os.environ.get(API_KEY_FILE_ENV)):
         print(f"clients need its API key: export OPENAI_API_KEY=$(cat {default_key_file()})", flush=True)
-    if blocking:
+    if blocking:  # until Ctrl-C or SIGTERM (`kill`, a service manager): Ray and the noted address go with it
+        signal.signal(signal.SIGTERM, _interrupt)
         while True:
             time.sleep(3600)
     return url
