@@ -62,8 +62,10 @@ def _noted_local_cluster() -> str | None:
         os.kill(noted["pid"], 0)  # the `aerie serve` that started it still runs
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if noted.get("auth_mode") == "token":
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if noted.get("auth_mode") == "token" and "RAY_AUTH_MODE" not in os.environ:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()  # RAY_AUTH_MODE=token, and Ray's configuration (read at import) refreshed
     return noted["address"]
 
 

@@ -493,7 +493,8 @@ def plot_timeline(timeline: list[dict], path: Path, events: list[dict] | None = 
             ax.text(e["t"], ax.get_ylim()[1], label, rotation=90, va="top", ha="right", fontsize=7)
     ax.set_xlabel("seconds since the rollout started")
     ax.set_ylabel(f"requests / s ({window_s:g} s window)")
-    ax.legend(loc="lower left", fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no traffic at all: nothing to label
+        ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
