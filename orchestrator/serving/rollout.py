@@ -367,6 +367,8 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
         if len(live) != 1:
             raise AerieError(f"{cfg.name} is mid-rollout ({live}): finish or undo that one first")
         stable = Route.model_validate(live[0])
+        if stable.version == version:
+            raise AerieError(f"{version} already serves as {stable.app}: nothing to roll out")
         canary = Route(app=ro.next_app(), weight=cfg.canary_weight, version=version)
         record.update(stable=stable.model_dump(), canary=canary.model_dump())
         try:
