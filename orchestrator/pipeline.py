@@ -354,12 +354,16 @@ class Pipeline:
         from orchestrator.train.config import OnlineData, TrainConfig
         from orchestrator.train.run import run_training
 
-        wiring = [*self._train_wiring(model_dir), f"data={collection['output']}"]
-        base = self.load("train", TrainConfig, self.cfg.train, wiring)
-        updates = {"drafter": base.drafter.model_copy(update={"variant": variant})}
-        if collection["output"] == "online":
-            updates["online"] = OnlineData(collect=self.cfg.collect.config, overrides=self.cfg.collect.overrides)
-        cfg = TrainConfig.model_validate({**base.model_dump(), **{k: v.model_dump() for k, v in updates.items()}})
+        online = collection["output"] == "online"
+        wiring = [*self._train_wiring(model_dir), f"data={collection['output'] if not online else 'unused'}"]
+        base = self.load("train", TrainConfig, self.cfg.train, wiring).model_dump()
+        base["drafter"]["variant"] = variant
+        if online:
+            base["data"] = "online"
+            base["online"] = OnlineData(
+                collect=self.cfg.collect.config, overrides=self.cfg.collect.overrides
+            ).model_dump()
+        cfg = TrainConfig.model_validate(base)
         fp = fingerprint(cfg.model_dump(mode="json", exclude={"name", "output"}), collection["manifest_sha256"])
         # one training run per (config, data): a changed config trains afresh, the same one resumes its checkpoint
         cfg = cfg.model_copy(
@@ -476,9 +480,13 @@ class Pipeline:
         """What a user walking back from a version needs: data, training, evaluation, the gate, this pipeline."""
         for variant, result in trained.items():
             name, _, version = result["registered"][len("models:/") :].partition("/")
+            location, sha = collection["output"], collection["manifest_sha256"]
+            if location == "online":  # the manifest the training planned and hashed; the config it came from
+                location = f"online:{self.cfg.collect.config}"
+                sha = self.mlflow.get_run(result["mlflow_run_id"]).data.params["data.manifest_sha256"]
             tags = {
-                "aerie.collection": collection["output"],
-                "aerie.collection.manifest_sha256": collection["manifest_sha256"],
+                "aerie.collection": location,
+                "aerie.collection.manifest_sha256": sha,
                 "aerie.collection.run_id": collection["run_id"] or "",
                 "aerie.training.run_id": result["mlflow_run_id"],
                 "aerie.evaluation.run_id": evaluation["mlflow_run_id"],

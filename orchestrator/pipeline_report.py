@@ -86,11 +86,16 @@ def markdown(report: dict, plots: list[Path]) -> str:
         lines.append(f"| {key} | {status} | {s.get('seconds', '')} |")
     c = report["collection"]
     summary = c.get("summary", {})
+    data = (
+        "hidden states captured while training (`train.data: online`): nothing stored"
+        if c["output"] == "online"
+        else f"`{c['output']}`: {summary.get('total_tokens', '?')} tokens, {summary.get('shards_planned', '?')} "
+        f"shards, manifest sha256 `{c['manifest_sha256']}` (MLflow run `{c['run_id']}`)."
+    )
     lines += [
         "",
         "## Data",
-        f"`{c['output']}`: {summary.get('total_tokens', '?')} tokens, {summary.get('shards_planned', '?')} shards, "
-        f"manifest sha256 `{c['manifest_sha256']}` (MLflow run `{c['run_id']}`).",
+        data,
         "",
         "## Drafters",
         "| variant | version | steps | minutes | tokens | val acceptance estimate | MLflow run |",

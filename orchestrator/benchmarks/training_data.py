@@ -53,12 +53,14 @@ def run_benchmark(cfg: BenchmarkTrainingDataConfig) -> dict:
                 "mlflow.registered_model=null",
                 "mlflow.experiment=aerie-benchmarks",
                 f"checkpoint.storage_path={out / 'checkpoints'}",
-                f"data={cfg.collection if mode == 'offline' else 'online'}",
+                f"data={cfg.collection}",
             ]
             train = load_config(TrainConfig, cfg.train, overrides)
             if mode == "online":
                 online = OnlineData(collect=cfg.collect, overrides=cfg.collect_overrides)
-                train = TrainConfig.model_validate({**train.model_dump(), "online": online.model_dump()})
+                train = TrainConfig.model_validate(
+                    {**train.model_dump(), "data": "online", "online": online.model_dump()}
+                )
             print(f"[benchmark] repeat {rep + 1}/{cfg.repeats}: {mode}", flush=True)
             result = run_training(train)
             m = result["final_metrics"]

@@ -280,6 +280,38 @@ def test_online_training_streams_states_and_writes_none(root, trained):
     assert not (root / "never-written").exists() and sorted(p.name for p in (root / "data").iterdir()) == before
 
 
+def test_the_pipeline_trains_online_without_a_collect_stage(root):
+    """`train.data=online`: no collect stage, no shard written; the drafter is registered with the online
+    manifest's hash and the report says why the collection was skipped."""
+    from mlflow import MlflowClient
+
+    out = root / "pipeline-online"
+    proc = _job(
+        "pipeline",
+        root / "pipeline.yaml",
+        "name=tiny-online-pipeline",
+        "train.data=online",
+        "train.overrides=[max_steps=4,num_workers=1,eval_every_steps=2]",
+        "collect.overrides=[output=" + str(root / "online-never-written") + "]",
+        f"output_dir={out}",
+    )
+    _ok(proc)
+    assert "collect: skipped: train.data is online" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    trained = report["trained"]["eagle3.1"]
+    assert trained["steps"] == 4 and report["gate"]["passed"]
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    name, _, version = trained["registered"][len("models:/") :].partition("/")
+    tags = client.get_model_version(name, version).tags
+    assert tags["aerie.collection"] == f"online:{root / 'collect.yaml'}"
+    assert (
+        tags["aerie.collection.manifest_sha256"] == tags["data_manifest_sha256"]
+        and len(tags["data_manifest_sha256"]) == 64
+    )
+    assert client.get_run(trained["mlflow_run_id"]).data.params["data"] == "online"
+    assert not (root / "online-never-written").exists()
+
+
 def test_s3_data_checkpoints_and_export(root, trained, s3_env, monkeypatch):
     """Shards read from S3, Ray Train checkpoints and the exported drafter written to S3 (moto on loopback)."""
     from orchestrator.data.storage import download_prefix, upload_dir
