@@ -10,19 +10,14 @@ backend, then removes the canary.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 
-from orchestrator.jobrunner import run_job
+from orchestrator.jobrunner import interrupt_on_sigterm, run_job
 from orchestrator.serving.rollout import DeployConfig, run_rollout
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
 def main(cfg: DeployConfig) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`: unwind as Ctrl-C does (routes back to stable)
+    interrupt_on_sigterm()  # `ray job stop`: unwind as Ctrl-C does (routes back to stable)
     record = run_rollout(cfg)
     summary = {k: record.get(k) for k in ("decision", "app", "drafter", "reason", "acceptance", "record_dir")}
     print(json.dumps(summary, indent=2))

@@ -12,19 +12,14 @@ state.json, report.json, report.md and plots to output_dir; the MLflow pipeline 
 
 from __future__ import annotations
 
-import signal
 import sys
 
-from orchestrator.jobrunner import run_job
+from orchestrator.jobrunner import interrupt_on_sigterm, run_job
 from orchestrator.pipeline import PipelineConfig, run_pipeline
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
 def main(cfg: PipelineConfig) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`: a canary in flight gives its traffic back first
+    interrupt_on_sigterm()  # `ray job stop`: a canary in flight gives its traffic back first
     report = run_pipeline(cfg)
     deploy = report["deploy"]
     return 1 if deploy.get("decision") in ("rolled back", "failed") else 0

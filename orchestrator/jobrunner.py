@@ -89,6 +89,16 @@ def connect_to_running_cluster(address: str | None = None) -> None:
         raise AerieError(f"the Ray cluster at {target} does not answer ({err}): is it running?") from err
 
 
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (`ray job stop`, `kill`, a service manager) unwinds this process as Ctrl-C does."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def write_result(output_dir: str | Path, result: dict) -> Path:
     path = Path(output_dir) / "result.json"
     path.parent.mkdir(parents=True, exist_ok=True)

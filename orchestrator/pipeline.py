@@ -36,6 +36,7 @@ from typing import Literal
 from pydantic import Field
 
 from orchestrator.config import StrictModel, load_config
+from orchestrator.data.synthetic import cache_key as fingerprint  # one hash of JSON-able parts
 from orchestrator.errors import AerieError
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,6 @@ class PipelineConfig(StrictModel):
     )
     mlflow_experiment: str = "aerie-pipelines"
     output_dir: str = Field(description="state.json, the stages' outputs, report.json / report.md and plots")
-
-
-def fingerprint(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class State:

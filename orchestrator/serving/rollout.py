@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import re
-import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -526,10 +525,6 @@ def _record_in_registry(cfg: DeployConfig, record: dict) -> None:
     print(f"[deploy] {name} version {version}: {decision}", flush=True)
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
 def serve_app(
     path: str | Path | None,
     overrides: list[str] | None = None,
@@ -575,7 +570,9 @@ def serve_app(
     if not (os.environ.get(API_KEY_ENV) or os.environ.get(API_KEY_FILE_ENV)):
         print(f"clients need its API key: export OPENAI_API_KEY=$(cat {default_key_file()})", flush=True)
     if blocking:  # until Ctrl-C or SIGTERM (`kill`, a service manager): Ray and the noted address go with it
-        signal.signal(signal.SIGTERM, _interrupt)
+        from orchestrator.jobrunner import interrupt_on_sigterm
+
+        interrupt_on_sigterm()
         while True:
             time.sleep(3600)
     return url

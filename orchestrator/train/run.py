@@ -31,7 +31,7 @@ from orchestrator.train.config import TrainConfig
 from orchestrator.train.loop import train_loop_per_worker
 from orchestrator.train.plots import plot_training
 from orchestrator.train.progress import TrainingBar
-from orchestrator.train.vocab import count_tokens, coverage, draft_vocab
+from orchestrator.train.vocab import count_sequences, count_tokens, coverage, draft_vocab
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +104,6 @@ def plan_online(cfg: TrainConfig, model_dir: Path) -> dict:
     }
 
 
-def plan_token_counts(plans, vocab_size: int) -> torch.Tensor:
-    """`count_tokens` for online data: from the rendered sequences, before anything is captured."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for plan in plans:
-        if plan.split == "train":
-            for seq in plan.sequences:
-                counts += torch.bincount(seq.input_ids[seq.loss_mask], minlength=vocab_size)
-    if counts.sum() == 0:
-        raise AerieError("online data: the train split has no loss-masked tokens (empty dataset?)")
-    return counts
-
-
 def _online_loop_config(online: dict, cfg: TrainConfig) -> dict:
     return {k: online[k] for k in ("manifest", "plans", "workers")} | {"prefetch": cfg.online.prefetch_shards}
 
@@ -154,7 +142,8 @@ def run_training(cfg: TrainConfig) -> dict:
             raise AerieError(f"init_from {cfg.drafter.init_from} has a different shape than the configured drafter")
 
     if online:
-        counts = plan_token_counts(online["plans"], hf["vocab_size"])
+        train = (seq for plan in online["plans"] if plan.split == "train" for seq in plan.sequences)
+        counts = count_sequences(train, hf["vocab_size"], "online data: the train split")
     else:
         counts = count_tokens(cfg.data, hf["vocab_size"])
     vocab = draft_vocab(counts, cfg.drafter.draft_vocab_size)

@@ -21,11 +21,17 @@ from orchestrator.errors import AerieError
 
 def count_tokens(location: str, vocab_size: int, split: str = "train") -> torch.Tensor:
     """How often each target token appears at loss-masked positions of a split: [vocab] int64."""
+    reader = ShardReader(location, split, buffer_sequences=1, verify=False)
+    return count_sequences(reader, vocab_size, f"{location}: the {split} split")
+
+
+def count_sequences(sequences, vocab_size: int, where: str) -> torch.Tensor:
+    """`count_tokens` over any sequences with `input_ids` and `loss_mask` (online data: the planned ones)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for seq in ShardReader(location, split, buffer_sequences=1, verify=False):
+    for seq in sequences:
         counts += torch.bincount(seq.input_ids[seq.loss_mask], minlength=vocab_size)
     if counts.sum() == 0:
-        raise AerieError(f"{location}: the {split} split has no loss-masked tokens (empty dataset?)")
+        raise AerieError(f"{where} has no loss-masked tokens (empty dataset?)")
     return counts
 
 
