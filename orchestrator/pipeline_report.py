@@ -98,11 +98,11 @@ def markdown(report: dict, plots: list[Path]) -> str:
         data,
         "",
         "## Drafters",
-        "| variant | version | steps | minutes | tokens | val acceptance estimate | MLflow run |",
+        "| variant | version | steps | minutes | tokens | val tau (replayed chain) | MLflow run |",
         "|---|---|---|---|---|---|---|",
     ]
     for variant, t in report["trained"].items():
-        estimate = t["final_metrics"].get("val_acceptance_length_estimate", float("nan"))
+        estimate = t["final_metrics"].get("val_tau_chain", float("nan"))
         lines.append(
             f"| {variant} | `{t['registered']}` | {t['steps']} | {t['train_minutes']} | {t['tokens']} | "
             f"{estimate:.3f} | `{t['mlflow_run_id']}` |"

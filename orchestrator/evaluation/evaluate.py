@@ -1,9 +1,9 @@
 """Acceptance evaluation: drafters side by side on the same prompts, with the project's engine (greedy,
-chain and tree) and a vLLM cross-check.
+chain and tree) and vLLM's tau on the same prompts, per set.
 
     prompts (sets.py) ──> for each drafter, for each method: the engine, greedy ──> tau per set / label,
                                                                                    per-depth acceptance
-                      ──> vLLM (chain, same drafter, same prompts) ──> tau from vLLM's counters
+                      ──> vLLM (chain, same drafter, same prompts) ──> tau per set from vLLM's counters
     ──> table, plots, result.json, one MLflow run
 """
 
@@ -61,7 +61,7 @@ class EvalConfig(StrictModel):
     )
     max_tokens: int = Field(96, ge=1, description="tokens generated per prompt (greedy, stops at EOS)")
     batch_size: int = Field(16, ge=1, description="requests decoded together (greedy output does not depend on it)")
-    vllm_check: bool = Field(True, description="cross-check chain tau with vLLM on the MT-Bench prompts")
+    vllm_check: bool = Field(True, description="cross-check the first chain method's tau with vLLM on every set")
     vllm_tolerance: float = Field(0.05, ge=0, description="relative tau difference reported as a disagreement")
     output_dir: str = Field(description="result.json, table.md and plots")
     mlflow_tracking_uri: str | None = None
@@ -121,18 +121,36 @@ def _coverage(t2d, prompts: list[EvalPrompt], generations) -> dict[str, float]:
     return {k: round(a / max(n, 1), 4) for k, (a, n) in inside.items()}
 
 
-def vllm_tau(model_dir: Path, drafter_dir: Path, k: int, prompts: list[EvalPrompt], max_tokens: int) -> float:
-    """tau from vLLM's counters over the prompts (greedy, chain of k), one vLLM batch."""
+def vllm_taus(model_dir: Path, drafter_dir: Path, k: int, prompts: list[EvalPrompt], max_tokens: int) -> dict:
+    """tau per set from vLLM's counters (greedy, chain of k): one vLLM engine, one batch per set."""
     from orchestrator.engine.vllm_backend import VllmGenerator
 
     window = max(256, max(len(p.ids) for p in prompts) + max_tokens + k + 64)
     gen = VllmGenerator(model_dir, drafter_dir, num_spec_tokens=k, max_model_len=window)
     try:
-        before = gen.counters()
-        gen.generate([p.ids for p in prompts], SamplingParams(max_tokens=max_tokens))
-        return (gen.counters() - before).acceptance_length
+        out = {}
+        for name in dict.fromkeys(p.set for p in prompts):
+            before = gen.counters()
+            gen.generate([p.ids for p in prompts if p.set == name], SamplingParams(max_tokens=max_tokens))
+            out[name] = (gen.counters() - before).acceptance_length
+        return out
     finally:
         gen.close()
+
+
+def vllm_check(engine: dict, theirs: dict, method: str, tolerance: float) -> dict:
+    """The engine's tau next to vLLM's, per set."""
+    sets = {}
+    for name, tau in theirs.items():
+        ours = engine[method]["sets"][name]["acceptance_length"]
+        diff = abs(tau - ours) / ours
+        sets[name] = {
+            "engine_tau": ours,
+            "vllm_tau": round(tau, 4),
+            "relative_difference": round(diff, 4),
+            "agrees": diff <= tolerance,
+        }
+    return {"method": method, "sets": sets, "agrees": all(s["agrees"] for s in sets.values())}
 
 
 def run_evaluation(cfg: EvalConfig) -> dict:
@@ -148,24 +166,14 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     eos = eos_token_ids(model_dir, tokenizer)
     prompts = build_sets(cfg, model_dir, tokenizer, eos)
     result = {"prompts": _count(prompts), "max_tokens": cfg.max_tokens, "drafters": {}}
-    mtbench = [p for p in prompts if p.set == "mtbench"]
     chains = [(m, s) for m, s in cfg.methods.items() if s.method == "chain"]
     for name, drafter_dir in drafters.items():
         entry = {"source": next(d.source for d in cfg.drafters if d.name == name)}
         entry["engine"] = evaluate_drafter(cfg, model_dir, drafter_dir, prompts, eos, name)
-        if cfg.vllm_check and mtbench and chains:
+        if cfg.vllm_check and prompts and chains:
             method, spec = chains[0]
-            ours = entry["engine"][method]["sets"]["mtbench"]
-            theirs = vllm_tau(model_dir, drafter_dir, spec.num_spec_tokens, mtbench, cfg.max_tokens)
-            diff = abs(theirs - ours["acceptance_length"]) / ours["acceptance_length"]
-            entry["vllm_check"] = {
-                "method": method,
-                "set": "mtbench",
-                "engine_tau": ours["acceptance_length"],
-                "vllm_tau": round(theirs, 4),
-                "relative_difference": round(diff, 4),
-                "agrees": diff <= cfg.vllm_tolerance,
-            }
+            theirs = vllm_taus(model_dir, drafter_dir, spec.num_spec_tokens, prompts, cfg.max_tokens)
+            entry["vllm_check"] = vllm_check(entry["engine"], theirs, method, cfg.vllm_tolerance)
         result["drafters"][name] = entry
     return _report(cfg, result)
 
@@ -196,11 +204,11 @@ def format_table(result: dict) -> str:
         rows.append(f"| {key} | draft-vocab coverage of the output | " + " | ".join(cells) + " |")
     for n in names:
         check = result["drafters"][n].get("vllm_check")
-        if check:
-            verdict = "agree" if check["agrees"] else "DIFFER by more than the tolerance"
+        for set_name, c in (check or {}).get("sets", {}).items():
+            verdict = "agree" if c["agrees"] else "DIFFER by more than the tolerance"
             rows.append(
-                f"\nvLLM cross-check {n} ({check['method']}, {check['set']}): engine {check['engine_tau']:.3f}, "
-                f"vLLM {check['vllm_tau']:.3f} ({100 * check['relative_difference']:.1f}%: {verdict})"
+                f"\nvLLM cross-check {n} ({check['method']}, {set_name}): engine {c['engine_tau']:.3f}, "
+                f"vLLM {c['vllm_tau']:.3f} ({100 * c['relative_difference']:.1f}%: {verdict})"
             )
     return "\n".join(rows)
 
@@ -229,8 +237,8 @@ def _report(cfg: EvalConfig, result: dict) -> dict:
             for key, s in {**e["sets"], **e["labels"]}.items():
                 safe = key.replace("<=", "le").replace(" ", "_")
                 metrics.append(Metric(f"tau.{name}.{method}.{safe}", s["acceptance_length"], 0, 0))
-        if "vllm_check" in entry:
-            metrics.append(Metric(f"tau_vllm.{name}.mtbench", entry["vllm_check"]["vllm_tau"], 0, 0))
+        for set_name, c in entry.get("vllm_check", {}).get("sets", {}).items():
+            metrics.append(Metric(f"tau_vllm.{name}.{set_name}", c["vllm_tau"], 0, 0))
     mlflow.log_batch(run.info.run_id, metrics=metrics, params=params[:100])
     mlflow.log_artifacts(run.info.run_id, str(out))
     mlflow.set_terminated(run.info.run_id)

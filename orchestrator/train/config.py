@@ -99,6 +99,11 @@ class TrainConfig(StrictModel):
     mlflow: MlflowSpec = Field(default_factory=MlflowSpec)
     eval_every_steps: int = Field(200, ge=1, description="validation loss/accuracy every this many steps")
     eval_max_sequences: int = Field(64, ge=1, description="validation sequences per evaluation (per worker)")
+    eval_answer_tokens: int = Field(
+        96,
+        ge=1,
+        description="val_tau_chain replays each held-out first answer up to this many tokens (evaluator's max_tokens)",
+    )
     log_every_steps: int = Field(10, ge=1)
     max_failures: int = Field(0, ge=0, description="Ray Train worker-group restarts on failure")
     ray_address: str | None = None

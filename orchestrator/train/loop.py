@@ -26,7 +26,15 @@ from orchestrator.models.drafter import DrafterConfig
 from orchestrator.models.init import new_drafter
 from orchestrator.models.target import load_safetensors_dir, read_hf_config
 from orchestrator.train.config import TrainConfig
-from orchestrator.train.objective import Batch, DraftTrainingModel, StepStats, summarise
+from orchestrator.train.objective import (
+    Batch,
+    DraftTrainingModel,
+    StepStats,
+    chain_hits,
+    chain_rounds,
+    summarise,
+    ttt_loss,
+)
 from orchestrator.train.state import DataPosition, Progress, load_position, load_state, save_position, save_state
 
 
@@ -125,10 +133,13 @@ def online_data(online: dict | None) -> tuple | None:
 
 
 def evaluate(model: DraftTrainingModel, cfg: TrainConfig, data, rank: int, world: int, device, autocast) -> dict:
-    """Validation loss / accuracy per step over up to eval_max_sequences per worker (summed over workers).
-    Runs the unwrapped model: DDP's forward syncs buffers, and workers may hold different numbers of batches."""
+    """Validation loss / accuracy per step, and `val_tau_chain`: greedy chain decoding of each sequence's first
+    answer replayed (`objective.chain_rounds`), what serving the held-out prompts with a chain of ttt_steps
+    measures. Over up to eval_max_sequences per worker (summed over workers). Runs the unwrapped model: DDP's
+    forward syncs buffers, and workers may hold different numbers of batches."""
     model = getattr(model, "module", model)
     total = torch.zeros(3, cfg.ttt_steps)
+    rounds = torch.zeros(2)  # rounds, accepted drafts
     reader = ShardReader(data, "validation", rank, world, seed=0, buffer_sequences=1)
     seqs = []
     for seq in reader:
@@ -137,12 +148,20 @@ def evaluate(model: DraftTrainingModel, cfg: TrainConfig, data, rank: int, world
             break
     with torch.no_grad(), autocast():
         for group, _ in batches(((s, DataPosition()) for s in seqs), cfg.batch_tokens):
-            _, stats = model(_to(Batch.pad(group), device), cfg.ttt_steps, cfg.step_weight)
+            batch = _to(Batch.pad(group), device)
+            logits = model.step_logits(batch, cfg.ttt_steps)
+            _, stats = ttt_loss(logits, model.target_logits(batch), batch, cfg.step_weight)
             total += stats.as_tensor().float().cpu()
+            hits = chain_hits(logits, model.drafter.to_target_ids, batch)
+            rounds += torch.tensor(chain_rounds(hits, _to(batch, "cpu"), cfg.eval_answer_tokens), dtype=torch.float)
     total = _allreduce(total)
+    rounds = _allreduce(rounds)
     if total[2].sum() == 0:
         return {}
-    return {f"val_{k}": v for k, v in summarise(StepStats.from_tensor(total)).items()}
+    out = {f"val_{k}": v for k, v in summarise(StepStats.from_tensor(total)).items()}
+    if rounds[0] > 0:
+        out["val_tau_chain"] = float(1 + rounds[1] / rounds[0])
+    return out
 
 
 def _to(batch: Batch, device) -> Batch:

@@ -6,9 +6,14 @@ For TTT step j, row i predicts x[i+j+2]; the target's distribution over it is it
 
     loss = sum_j  w^j * mean over counted rows of  -sum_v p_target(v) log q_draft_j(v)
 
-Top-1 accuracy per step compares the drafter's argmax with the restricted target's argmax. Since step j's
-inputs are the true tokens, acc_j estimates the chance that depth j+1 is accepted given depths 1..j were, so
-a chain of K drafts has expected acceptance length about 1 + sum_{d=1..K} prod_{j<d} acc_j.
+Top-1 accuracy per step compares the drafter's argmax with the restricted target's argmax.
+
+What serving will measure is predicted by replaying it (`chain_tau`), not by 1 + sum_d prod_{j<d} acc_j: that
+product averages over every position, while a served chain starts a round only where the previous one ended
+(long accepted runs skip their easy positions; rounds land on the hard ones), and it counts matches with the
+target restricted to the draft vocabulary. On a chitchat drafter (K=5, 24 held-out conversations) the product
+said 2.45, the replay of every assistant turn 2.28, the replay of first answers (<= 96 tokens, what the
+evaluator serves) 1.89, and vLLM served 1.86 on those prompts.
 """
 
 from __future__ import annotations
@@ -69,24 +74,52 @@ class StepStats:
         return cls(t[0], t[1], t[2])
 
 
-def acceptance_estimate(accuracy: list[float]) -> float:
-    """1 + sum over depths d of prod_{j<d} acc_j: the expected tokens per round of a chain this long."""
-    tau, survive = 1.0, 1.0
-    for a in accuracy:
-        survive *= a
-        tau += survive
-    return tau
-
-
 def summarise(stats: StepStats) -> dict[str, float]:
-    """Per-step mean loss and accuracy, and the chain acceptance estimate."""
+    """Per-step mean loss and top-1 accuracy."""
     count = stats.count.clamp_min(1)
     loss = (stats.loss_sum / count).tolist()
     acc = (stats.correct / count).tolist()
     out = {f"loss_step_{j}": v for j, v in enumerate(loss)}
     out.update({f"acc_step_{j}": v for j, v in enumerate(acc)})
-    out["acceptance_length_estimate"] = acceptance_estimate(acc)
     return out
+
+
+def chain_hits(step_logits: list[torch.Tensor], to_target_ids, batch: Batch) -> torch.Tensor:
+    """[K, B, T] bool: would depth j+1 of a greedy chain drafted from row i match the recorded token x[i+j+2]?
+    For data the target regenerated greedily, the recorded token is what greedy verification accepts."""
+    ids = batch.input_ids.to(step_logits[0].device)
+    hits = []
+    for j, logits in enumerate(step_logits):
+        draft = to_target_ids(logits.argmax(-1))  # [B, T] target ids
+        hits.append(draft == F.pad(ids[:, j + 2 :], (0, j + 2), value=-1))
+    return torch.stack(hits).cpu()
+
+
+def chain_rounds(hits: torch.Tensor, batch: Batch, answer_tokens: int) -> tuple[int, int]:
+    """Replay greedy chain decoding of each sequence's first assistant answer (its first loss-masked run, at most
+    `answer_tokens` tokens, as the evaluator serves a held-out prompt): prefill emits the answer's first token x[a],
+    then each round from committed row r accepts the leading hits of column r (inside the answer) and the target
+    adds one token, moving r past them. Returns (rounds, accepted drafts): tau = 1 + accepted / rounds, vLLM's
+    mean acceptance length."""
+    k = hits.shape[0]
+    rounds = accepted_total = 0
+    for b in range(hits.shape[1]):
+        mask = batch.loss_mask[b, : int(batch.lengths[b])]
+        first = mask.nonzero()
+        if not len(first):
+            continue
+        a = int(first[0])
+        end = a + 1
+        while end < mask.numel() and mask[end] and end - a < answer_tokens:
+            end += 1
+        run = hits[:, b].tolist()  # [K][T]
+        r = a - 1
+        while r + 2 < end:
+            accepted = 0
+            while accepted < k and r + accepted + 2 < end and run[accepted][r]:
+                accepted += 1
+            rounds, accepted_total, r = rounds + 1, accepted_total + accepted, r + accepted + 1
+    return rounds, accepted_total
 
 
 def ttt_loss(
@@ -124,9 +157,13 @@ class DraftTrainingModel(nn.Module):
         drafter.share_embedding(self.embed)
         self.register_buffer("target_head", target_head_rows)  # [dv, Ht]: the target head's draft-vocab rows
 
-    def forward(self, batch: Batch, steps: int, step_weight: float) -> tuple[torch.Tensor, StepStats]:
+    def target_logits(self, batch: Batch) -> torch.Tensor:
+        """The target head's draft-vocabulary logits at every position: [B, T, dv]."""
         with torch.no_grad():
-            target_logits = batch.final_hidden.to(self.target_head.dtype) @ self.target_head.T  # [B, T, dv]
-        aux = batch.aux_hidden.to(self.drafter.fc.weight.dtype)
-        step_logits = unroll(self.drafter, batch.input_ids, aux, steps)
-        return ttt_loss(step_logits, target_logits, batch, step_weight)
+            return batch.final_hidden.to(self.target_head.dtype) @ self.target_head.T
+
+    def step_logits(self, batch: Batch, steps: int) -> list[torch.Tensor]:
+        return unroll(self.drafter, batch.input_ids, batch.aux_hidden.to(self.drafter.fc.weight.dtype), steps)
+
+    def forward(self, batch: Batch, steps: int, step_weight: float) -> tuple[torch.Tensor, StepStats]:
+        return ttt_loss(self.step_logits(batch, steps), self.target_logits(batch), batch, step_weight)

@@ -232,7 +232,7 @@ def _finish(cfg, ckpt: Path, mlflow, run_id: str, config, manifest_sha: str, cov
             "variant": config.variant,
             "data_manifest_sha256": manifest_sha,
             "ttt_steps": str(cfg.ttt_steps),
-            "val_acceptance_length_estimate": f"{final.get('val_acceptance_length_estimate', float('nan')):.3f}",
+            "val_tau_chain": f"{final.get('val_tau_chain', float('nan')):.3f}",
         }
         version = register_drafter(mlflow, cfg.mlflow.registered_model, run_id, "drafter", tags, cfg.mlflow.aliases)
     mlflow.set_terminated(run_id, status="FINISHED")

@@ -148,6 +148,7 @@ def test_training_resumes_exports_and_registers(root, trained):
 
     assert trained["steps"] == 40
     assert 2 <= trained["final_metrics"]["resumed_from_step"] < 40
+    assert 1.0 <= trained["final_metrics"]["val_tau_chain"] <= 1 + 3  # replayed chain of ttt_steps (3) drafts
     assert trained["registered"] == "models:/tiny-drafter/1"
     drafter = load_drafter(trained["exported"])  # the vLLM layout, read with safetensors only
     assert drafter.config.variant == "eagle3.1" and drafter.config.draft_vocab_size == 512

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from orchestrator.models.target import TargetModel
-from orchestrator.train.objective import Batch, acceptance_estimate, ttt_loss
+from orchestrator.train.objective import Batch, chain_hits, chain_rounds, ttt_loss
 from orchestrator.train.ttt import unroll
 from tests.helpers import random_drafter
 
@@ -95,7 +95,37 @@ def test_loss_counts_only_loss_masked_rows_inside_the_sequence():
     assert clean.item() < 1e-3
 
 
-def test_acceptance_estimate():
-    assert acceptance_estimate([1.0, 1.0, 1.0]) == 4.0
-    assert acceptance_estimate([0.0, 1.0]) == 1.0
-    assert abs(acceptance_estimate([0.5, 0.5]) - 1.75) < 1e-12
+def _answer_batch(t: int, answers: list[tuple[int, int]]) -> Batch:
+    """A one-row batch of length t whose loss mask covers the given [a, end) runs."""
+    mask = torch.zeros(1, t, dtype=torch.bool)
+    for a, end in answers:
+        mask[0, a:end] = True
+    return Batch(
+        torch.zeros(1, t, dtype=torch.long), mask, torch.tensor([t]), torch.zeros(1, t, 1), torch.zeros(1, t, 1)
+    )
+
+
+def test_chain_rounds_replays_greedy_chain_decoding():
+    batch = _answer_batch(12, [(2, 9), (10, 12)])  # only the first answer (x[2..8]) is replayed
+    every = torch.ones(2, 1, 12, dtype=torch.bool)
+    # prefill emits x[2]; round at row 1 accepts x[3], x[4] (+ x[5] from the target); row 4: x[6], x[7] (+ x[8])
+    assert chain_rounds(every, batch, answer_tokens=96) == (2, 4)
+    assert chain_rounds(~every, batch, answer_tokens=96) == (6, 0)  # one token per round: x[3..8]
+    assert chain_rounds(every, batch, answer_tokens=3) == (1, 2)  # x[2..4]: prefill, then both drafts
+    first_only = every.clone()
+    first_only[1] = False
+    assert chain_rounds(first_only, batch, answer_tokens=96) == (3, 3)  # rows 1, 3, 5, then row 7 ends at x[8]
+    first_only[1, 0, 2] = True  # a second-depth hit where no round starts changes nothing
+    assert chain_rounds(first_only, batch, answer_tokens=96) == (3, 3)
+    assert chain_rounds(every, _answer_batch(12, []), answer_tokens=96) == (0, 0)
+
+
+def test_chain_hits_compare_drafts_with_the_recorded_tokens():
+    batch = _answer_batch(5, [(0, 5)])
+    batch.input_ids[0] = torch.tensor([7, 8, 9, 10, 11])
+    logits = torch.zeros(1, 5, 4)
+    logits[0, :, 1] = 1.0  # draft id 1 everywhere, target id 1 + 8 = 9
+    hits = chain_hits([logits, logits], lambda d: d + 8, batch)
+    assert hits.shape == (2, 1, 5)
+    assert hits[0, 0].tolist() == [True, False, False, False, False]  # step 0 row i predicts x[i+2]
+    assert hits[1, 0].tolist() == [False, False, False, False, False]  # step 1 row 0 predicts x[3] = 10
