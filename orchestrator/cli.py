@@ -161,6 +161,60 @@ def _generate_vllm(args, prompts, params) -> list[dict]:
     return rows
 
 
+def _convert_drafter(args: argparse.Namespace) -> int:
+    """A drafter in another dtype (vLLM reads any), with where it came from in provenance.json."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.models.checkpoint import load_drafter, save_drafter
+    from orchestrator.train.run import read_manifest
+
+    src = Path(args.src)
+    drafter = load_drafter(src, dtype=args.dtype)
+    provenance = {"converted_from": str(src), "dtype": args.dtype}
+    if (src / "result.json").is_file():  # the training job's result: run, steps, tokens, metrics
+        provenance["training"] = json.loads((src / "result.json").read_text())
+    if args.train_config:
+        provenance["train_config"] = OmegaConf.to_container(OmegaConf.load(args.train_config))
+        provenance["train_config_file"] = args.train_config
+    if args.data:
+        manifest, sha = read_manifest(args.data)
+        provenance["data"] = {"location": args.data, "manifest_sha256": sha, "datasets": manifest.get("datasets")}
+    out = save_drafter(drafter, args.out)
+    (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    size = (out / "model.safetensors").stat().st_size / 2**20
+    print(f"wrote {args.dtype} {out} ({size:.1f} MiB) with provenance.json")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from orchestrator.data.prompts import encode_prompt, read_prompt_file
+    from orchestrator.demo import check_identical, format_demo, run_demo
+    from orchestrator.models.checkpoint import read_drafter_hf
+    from orchestrator.models.target import read_hf_config
+    from orchestrator.models.tokenizer import load_tokenizer
+    from orchestrator.spec.proposer import SpecConfig
+
+    read_hf_config(args.model)
+    read_drafter_hf(args.drafter)
+    items = read_prompt_file(args.prompts)
+    bad = next((item for item in items if item.error is not None), None)
+    if bad is not None:
+        raise AerieError(bad.error)
+    if not items:
+        raise AerieError(f"{args.prompts} has no prompts")
+    tokenizer = load_tokenizer(args.model)
+    prompts = [encode_prompt(tokenizer, item) for item in items]
+    spec = SpecConfig(method=args.spec, num_spec_tokens=args.num_spec_tokens, depth=args.depth, budget=args.budget)
+    labels = [item.messages[-1]["content"] if item.messages else item.prompt for item in items]
+    result = run_demo(Path(args.model), Path(args.drafter), prompts, labels, spec, args.max_tokens, args.repeats)
+    print(format_demo(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    check_identical(result)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from orchestrator.serving.rollout import serve_app
 
@@ -211,6 +265,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help="auto: bf16 on GPU"
     )
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("convert-drafter", help="rewrite a drafter in another dtype, with its provenance")
+    p.add_argument("src", help="drafter directory (vLLM format)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--train-config", default=None, help="the training config that produced it (recorded)")
+    p.add_argument("--data", default=None, help="the collection it was trained on (its manifest sha256 is recorded)")
+    p.set_defaults(func=_convert_drafter)
+
+    p = sub.add_parser("demo", help="answer prompts with and without speculation; acceptance length and speed-up")
+    p.add_argument("--model", required=True, help="target model directory")
+    p.add_argument("--drafter", required=True, help="EAGLE-3 / 3.1 drafter directory (vLLM format)")
+    p.add_argument("--prompts", required=True, help='JSONL: {"messages": [...]} or {"prompt": "..."} per line')
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each prompt per mode (interleaved)")
+    p.add_argument("--spec", choices=("chain", "tree"), default="chain")
+    p.add_argument("--num-spec-tokens", type=int, default=5, help="chain: draft tokens per round")
+    p.add_argument("--depth", type=int, default=5, help="tree: most draft levels")
+    p.add_argument("--budget", type=int, default=16, help="tree: draft tokens verified per round")
+    p.add_argument("--out", default=None, help="also write the result as JSON here")
+    p.set_defaults(func=_demo)
 
     p = sub.add_parser("serve", help="start an OpenAI-compatible server from a Ray Serve config file")
     p.add_argument(
