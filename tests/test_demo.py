@@ -38,7 +38,8 @@ def test_demo_answers_losslessly_with_acceptance_and_speedup(tmp_path, smollm2_d
     assert result["acceptance_length"] > 1.0  # a trained drafter: some drafts accepted
     assert result["speedup"]["n"] == 4 and result["speedup"]["low"] <= result["speedup"]["ratio"]
     printed = capsys.readouterr().out
-    assert "Are you a human? Or Am I talking with the void?" in printed and "speed-up" in printed and "acceptance length" in printed
+    assert "Are you a human? Or Am I talking with the void?" in printed
+    assert "speed-up" in printed and "acceptance length" in printed
 
 
 def test_demo_bad_prompt_file_is_one_line(tmp_path, smollm2_dir, capsys):

@@ -41,9 +41,10 @@ def _rope(positions_bt: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Ten
 
 
 def _attention(
-    layer: DecoderLayer, x_btd: torch.Tensor, cos, sin, kv: _StepKV, layer_idx: int, causal: torch.Tensor
+    layer: DecoderLayer, x_btd: torch.Tensor, cos, sin, kv: _StepKV, layer_idx: int, causal: torch.Tensor, probe=None
 ) -> torch.Tensor:
-    """Self-attention of one layer at the current step; appends this step's keys/values to `kv`."""
+    """Self-attention of one layer at the current step; appends this step's keys/values to `kv`. probe: called
+    with (layer_idx, probs [B, heads, T, T + chain]): the committed prefix's columns, then the row's own chain."""
     attn = layer.self_attn
     b, t, _ = x_btd.shape
     heads, kv_heads, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -63,22 +64,25 @@ def _attention(
     prefix = prefix.masked_fill(~causal, float("-inf"))
     chain = [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]  # each [B, heads, T, 1]
     probs = torch.softmax(torch.cat([prefix, *chain], dim=-1).float(), dim=-1).to(q.dtype)
+    if probe is not None:
+        probe(layer_idx, probs)
     out = probs[..., :t] @ values[0]  # [B, heads, T, hd]
     for s, val in enumerate(values[1:]):
         out = out + probs[..., t + s : t + s + 1] * val
     return attn.o_proj(out.transpose(1, 2).reshape(b, t, heads * hd))
 
 
-def _layer(layer: DecoderLayer, attn_input, residual, cos, sin, kv: _StepKV, idx: int, causal) -> torch.Tensor:
-    h = residual + _attention(layer, attn_input, cos, sin, kv, idx, causal)
+def _layer(layer: DecoderLayer, attn_input, residual, cos, sin, kv: _StepKV, idx: int, causal, probe) -> torch.Tensor:
+    h = residual + _attention(layer, attn_input, cos, sin, kv, idx, causal, probe)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def unroll(drafter: Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def unroll(drafter: Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, probe=None) -> list[torch.Tensor]:
     """Draft logits of every TTT step: a list of `steps` tensors [B, T, draft_vocab].
 
     input_ids: [B, T] (padding anywhere after a sequence's end); aux: [B, T, k*Ht]. Row i of step j is only
-    meaningful while i + j + 2 < the sequence's length; the loss masks the rest.
+    meaningful while i + j + 2 < the sequence's length; the loss masks the rest. probe(step, layer, probs): sees
+    every attention distribution (`jobs.diagnose_drafter`).
     """
     b, t = input_ids.shape
     layers = drafter.layers
@@ -94,9 +98,10 @@ def unroll(drafter: Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: 
         normed = first.hidden_norm(hidden)
         residual = normed if first.norm_before_residual else hidden
         attn_input = torch.cat([first.input_layernorm(drafter.embed(tokens)), normed], dim=-1)
-        x = _layer(first, attn_input, residual, cos, sin, kv, 0, causal)
+        seen = (lambda idx, probs, j=j: probe(j, idx, probs)) if probe is not None else None
+        x = _layer(first, attn_input, residual, cos, sin, kv, 0, causal, seen)
         for idx, layer in enumerate(layers[1:], start=1):
-            x = _layer(layer, layer.input_layernorm(x), x, cos, sin, kv, idx, causal)
+            x = _layer(layer, layer.input_layernorm(x), x, cos, sin, kv, idx, causal, seen)
         post = drafter.norm(x)
         out.append(drafter.lm_head(post))
         hidden = post if drafter.config.norm_output else x
