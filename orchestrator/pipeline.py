@@ -555,7 +555,7 @@ class Pipeline:
             from orchestrator.jobrunner import write_result
 
             write_result(out, {"config": cfg.model_dump(), **result})
-            metrics = {f"speedup_c{c}": v for c, v in (result.get("speedup") or {}).items()}
+            metrics = {f"speedup_c{c}": v["ratio"] for c, v in (result.get("speedup") or {}).items()}
             result["run_id"] = self.child_run("benchmark", {"config": cfg.model_dump(mode="json")}, metrics)
             return result
 

@@ -55,13 +55,17 @@ def plot_speedup(benchmark: dict, path: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for name, ratios in series.items():
-        users = sorted(int(c) for c in ratios)
-        ax.plot(users, [ratios[str(c)] if str(c) in ratios else ratios[c] for c in users], marker="o", label=name)
+        points = sorted((int(c), r) for c, r in ratios.items())  # r: paired_ratio's dict
+        users = [c for c, _ in points]
+        mid = [r["ratio"] for _, r in points]
+        low = [r["ratio"] - (r["low"] if r["low"] is not None else r["ratio"]) for _, r in points]
+        high = [(r["high"] if r["high"] is not None else r["ratio"]) - r["ratio"] for _, r in points]
+        ax.errorbar(users, mid, yerr=[low, high], marker="o", capsize=3, label=name)
     ax.axhline(1.0, color="grey", linewidth=0.6)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent users")
     ax.set_ylabel("speed-up (spec / no spec)")
-    ax.set_title("serving speed-up, per-user tokens/s")
+    ax.set_title("serving speed-up, per-user tokens/s (95% interval)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -39,6 +39,7 @@ class BenchmarkServingConfig(StrictModel):
     modes: list[Literal["spec", "no-spec"]] = Field(["spec", "no-spec"], min_length=1)
     concurrency: list[int] = Field([1, 4, 16], min_length=1, description="users sending requests at once")
     requests_per_user: int = Field(2, ge=1, description="requests = concurrency x this (at least min_requests)")
+    repeats: int = Field(3, ge=1, description="runs of each level per mode, interleaved (ABBA...): pairs for the CI")
     min_requests: int = Field(4, ge=1)
     warmup_per_user: int = Field(
         1, ge=0, description="unmeasured requests per user before each level (the scheduler learns its rates)"
@@ -104,8 +105,11 @@ async def _one(client, url: str, model: str, prompt: dict, max_tokens: int) -> d
     }
 
 
-async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int) -> dict:
-    """`n` requests, `concurrency` at a time (closed loop); summary of the measurements."""
+async def run_requests(
+    url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int
+) -> tuple[list[dict], float]:
+    """`n` requests, `concurrency` at a time (closed loop): each request's measurements (in request order; request
+    i sends prompts[i % len]) and the wall time."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -119,17 +123,26 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: 
 
         began = time.perf_counter()
         results = await asyncio.gather(*[user(i) for i in range(n)])
-        wall = time.perf_counter() - began
+        return results, time.perf_counter() - began
+
+
+def summarise_requests(runs: list[tuple[list[dict], float]], concurrency: int) -> dict:
+    """Summary over one or more runs of the same level (repeats): throughput per run and overall, latencies over
+    every request; `per_request_tok_s` (None where a request failed) pairs requests across modes."""
+    results = [r for batch, _ in runs for r in batch]
     ok = [r for r in results if "error" not in r]
     itl = [g for r in ok for g in r["itl_s"]]
     per_user = [r["tokens"] / r["e2e_s"] for r in ok]
     return {
         "concurrency": concurrency,
-        "requests": n,
-        "failed": n - len(ok),
+        "requests": len(results),
+        "repeats": len(runs),
+        "failed": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if "error" in r})[:3],
         "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
-        "total_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "per_request_tok_s": [None if "error" in r else r["tokens"] / r["e2e_s"] for r in results],
+        "total_tok_s": sum(r["tokens"] for r in ok) / sum(wall for _, wall in runs),
+        "wall_s": sum(wall for _, wall in runs),
         "ttft_p50_s": _quantile([r["ttft_s"] for r in ok], 0.5),
         "ttft_p99_s": _quantile([r["ttft_s"] for r in ok], 0.99),
         "tpot_p50_s": _quantile([r["tpot_s"] for r in ok], 0.5),
@@ -138,6 +151,26 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: 
         "e2e_p50_s": _quantile([r["e2e_s"] for r in ok], 0.5),
         "e2e_p99_s": _quantile([r["e2e_s"] for r in ok], 0.99),
     }
+
+
+async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int) -> dict:
+    """`n` requests, `concurrency` at a time (closed loop); summary of the measurements."""
+    return summarise_requests([await run_requests(url, model, prompts, concurrency, n, max_tokens)], concurrency)
+
+
+def paired_speedup(spec: dict, plain: dict) -> dict:
+    """Per-user tokens/s, speculation on / off: request i of repeat r in one mode paired with the same request in
+    the other (same prompt, run next to it), a bootstrap interval over those pairs (`stats.paired_ratio`)."""
+    from orchestrator.benchmarks.stats import paired_ratio
+
+    pairs = [
+        (a, b)
+        for a, b in zip(spec["per_request_tok_s"], plain["per_request_tok_s"], strict=True)
+        if a is not None and b is not None
+    ]
+    if not pairs:
+        return {"ratio": 0.0, "low": None, "high": None, "n": 0}
+    return paired_ratio([a for a, _ in pairs], [b for _, b in pairs])
 
 
 def scheduler_delta(before: dict, after: dict) -> dict:
@@ -223,8 +256,8 @@ def busy_overlap(spans: list[dict]) -> float:
 
 
 def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: int) -> dict:
-    """The in-process engine at concurrency 1 on the same prompts: tokens/s and ms per round (the reference
-    for the disaggregated path's per-round overhead)."""
+    """The in-process engine at concurrency 1 on the same prompts: tokens/s and the per-round cost breakdown
+    (`round_costs`), the reference for the disaggregated path's."""
     from orchestrator.engine import load_engine
     from orchestrator.models.prepare import resolve_model
     from orchestrator.spec.proposer import SpecConfig
@@ -236,16 +269,45 @@ def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: in
     engine = load_engine(model_dir, fetch_drafter(app_args["drafter"]), spec, max_batch=1)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.generate([prompts[0]], params)  # warm-up
-    began, rounds, tokens = time.perf_counter(), 0, 0
+    totals: dict[str, float] = {}
+    began, tokens = time.perf_counter(), 0
     for p in prompts:
-        g = engine.generate([p], params)[0]
-        rounds += g.acceptance.drafts
-        tokens += len(g.token_ids)
+        tokens += len(engine.generate([p], params)[0].token_ids)
+        for k, v in engine.last_stats.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                totals[k] = totals.get(k, 0) + v
     wall = time.perf_counter() - began
+    return {"tok_s": tokens / wall, **round_costs(totals, wall, tokens)}
+
+
+def round_costs(d: dict, wall_s: float, tokens: int) -> dict:
+    """Milliseconds per target round, from the scheduler's totals over a stretch of `wall_s` seconds that yielded
+    `tokens`: draft and verify compute (inside the workers), calls (the rest of each call: Ray, serialisation,
+    queues), and the remainder (scheduling, prefill bookkeeping, HTTP, idle)."""
+    rounds = max(1, d.get("rounds", 0))
+    compute = {side: 1e3 * d.get(f"{side}_compute_s", 0) / rounds for side in ("draft", "verify")}
+    calls = sum(1e3 * (d.get(f"{side}_call_s", 0) - d.get(f"{side}_compute_s", 0)) / rounds for side in compute)
+    round_ms = 1e3 * wall_s / rounds
     return {
-        "tok_s": tokens / wall,
-        "round_ms": 1e3 * wall / max(1, rounds),
-        "tokens_per_round": tokens / max(1, rounds),
+        "rounds": d.get("rounds", 0),
+        "round_ms": round_ms,
+        "draft_compute_ms": compute["draft"],
+        "verify_compute_ms": compute["verify"],
+        "calls_ms": calls,
+        "rest_ms": round_ms - compute["draft"] - compute["verify"] - calls,
+        "ms_per_token": 1e3 * wall_s / max(1, tokens),
+        "tokens_per_round": tokens / rounds,
+    }
+
+
+def overhead_breakdown(level: dict, in_process: dict) -> dict:
+    """The disaggregated path at concurrency 1 against the in-process engine: ms per round by part, and the
+    overhead: ms per generated token, disaggregated / in-process - 1."""
+    disaggregated = level["scheduler"]["round_costs"]
+    return {
+        "in_process": {k: v for k, v in in_process.items() if k != "tok_s"},
+        "disaggregated": disaggregated,
+        "overhead": disaggregated["ms_per_token"] / in_process["ms_per_token"] - 1,
     }
 
 
@@ -269,7 +331,8 @@ def load_prompts(source: str, n: int) -> list[dict]:
 
 
 def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
-    """Deploy each backend once per mode (same code, speculation on/off) and drive every concurrency."""
+    """Deploy every (backend, mode) at once, then per concurrency level run them in turn, `repeats` times in
+    alternating order (ABBA...), so the machine's drift falls on both sides of every ratio."""
     from ray import serve
 
     from orchestrator.jobrunner import init_ray
@@ -283,16 +346,39 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     init_ray(cfg.address)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
-    result: dict = {"modes": {}, "files": []}
-    for label, backend in backends:
-        for mode in cfg.modes:
-            result["modes"][f"{label}{mode}"] = _run_mode(cfg, backend, mode, label, prompts, out_dir, result)
+    deployed = [_Deployed(cfg, backend, mode, label, prompts) for label, backend in backends for mode in cfg.modes]
+    result: dict = {"modes": {d.key: {} for d in deployed}, "files": [], "repeats": cfg.repeats}
+    try:
+        for c in cfg.concurrency:
+            n = max(cfg.min_requests, c * cfg.requests_per_user)
+            for d in deployed:
+                if cfg.warmup_per_user:
+                    asyncio.run(drive(d.url, d.model, prompts[::-1], c, c * cfg.warmup_per_user, cfg.max_tokens))
+            before = {d.key: d.counters() for d in deployed}
+            began = time.time()
+            runs: dict[str, list] = {d.key: [] for d in deployed}
+            for r in range(cfg.repeats):
+                for d in deployed if r % 2 == 0 else deployed[::-1]:
+                    runs[d.key].append(asyncio.run(run_requests(d.url, d.model, prompts, c, n, cfg.max_tokens)))
+            for d in deployed:
+                level = summarise_requests(runs[d.key], c)
+                level["scheduler"] = d.delta(before[d.key], c, began, out_dir, result)
+                if not d.vllm:
+                    level["scheduler"]["round_costs"] = round_costs(
+                        d.raw_delta,
+                        level["wall_s"],
+                        sum(r["tokens"] for b, _ in runs[d.key] for r in b if "error" not in r),
+                    )
+                result["modes"][d.key][c] = level
+                log.info("%s c=%d: %.1f tok/s per user, %d failed", d.name, c, level["per_user_tok_s"], level["failed"])
+    finally:
+        for d in deployed:
+            serve.delete(d.name)
     for label, _ in backends:
         spec, plain = result["modes"].get(f"{label}spec"), result["modes"].get(f"{label}no-spec")
         if spec and plain:
-            result[f"{label.replace('-', '_')}speedup"] = {
-                c: spec[c]["per_user_tok_s"] / max(1e-9, plain[c]["per_user_tok_s"]) for c in cfg.concurrency
-            }
+            key = f"{label.replace('-', '_')}speedup"
+            result[key] = {c: paired_speedup(spec[c], plain[c]) for c in cfg.concurrency}
     if cfg.in_process and "spec" in cfg.modes and args.get("drafter"):
         from orchestrator.data.prompts import render_chat
         from orchestrator.models.prepare import resolve_model
@@ -301,48 +387,53 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         tok = load_tokenizer(resolve_model(args["model"], args.get("models_dir", "models")))
         ids = [p["prompt"] if "prompt" in p else render_chat(tok, p["messages"]) for p in prompts[: cfg.min_requests]]
         result["in_process_c1"] = in_process_round_ms(args, ids, cfg.max_tokens)
+        spec_c1 = result["modes"].get("spec", {}).get(1) or result["modes"].get("spec", {}).get("1")
+        if spec_c1:
+            result["overhead_c1"] = overhead_breakdown(spec_c1, result["in_process_c1"])
     return result
 
 
-def _run_mode(cfg, app: dict, mode: str, label: str, prompts, out_dir: Path, result: dict) -> dict:
-    """One backend in one mode at every concurrency."""
-    import httpx
-    from ray import serve
+class _Deployed:
+    """One backend in one mode, deployed under its own route and warmed up."""
 
-    from orchestrator.serving.app import _import
-    from orchestrator.serving.guard import auth_headers
+    def __init__(self, cfg: BenchmarkServingConfig, app: dict, mode: str, label: str, prompts: list[dict]) -> None:
+        import httpx
+        from ray import serve
 
-    vllm = backend_of(app["import_path"]) == "vllm"
-    name = f"bench-{label}{mode}"
-    log.info("deploying %s", name)
-    serve.run(
-        _import(app["import_path"])(app["args"] | {"speculation": mode == "spec"}), name=name, route_prefix=f"/{name}"
-    )
-    url = f"http://127.0.0.1:{cfg.port}/{name}"
-    model = httpx.get(f"{url}/v1/models", headers=auth_headers(), timeout=60).json()["data"][0]["id"]
-    asyncio.run(drive(url, model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
-    levels = {}
-    for c in cfg.concurrency:
-        if cfg.warmup_per_user:
-            asyncio.run(drive(url, model, prompts[::-1], c, c * cfg.warmup_per_user, cfg.max_tokens))
-        before, began = _counters(url, name, vllm), time.time()
-        n = max(cfg.min_requests, c * cfg.requests_per_user)
-        level = asyncio.run(drive(url, model, prompts, c, n, cfg.max_tokens))
-        if vllm:
+        from orchestrator.serving.app import _import
+        from orchestrator.serving.guard import auth_headers
+
+        self.cfg, self.mode, self.key = cfg, mode, f"{label}{mode}"
+        self.vllm = backend_of(app["import_path"]) == "vllm"
+        self.name = f"bench-{label}{mode}"
+        log.info("deploying %s", self.name)
+        built = _import(app["import_path"])(app["args"] | {"speculation": mode == "spec"})
+        serve.run(built, name=self.name, route_prefix=f"/{self.name}")
+        self.url = f"http://127.0.0.1:{cfg.port}/{self.name}"
+        self.model = httpx.get(f"{self.url}/v1/models", headers=auth_headers(), timeout=60).json()["data"][0]["id"]
+        asyncio.run(drive(self.url, self.model, prompts, 2, 2, 8))  # warm-up (also feeds the cost model)
+
+    def counters(self):
+        return _counters(self.url, self.name, self.vllm)
+
+    def delta(self, before, c: int, began: float, out_dir: Path, result: dict) -> dict:
+        """What the backend did over the level (every repeat); the round timeline at trace_concurrency."""
+        import httpx
+
+        from orchestrator.serving.guard import auth_headers
+
+        if self.vllm:
             time.sleep(2)  # Ray exports the engine's counters every second or so
-            level["scheduler"] = vllm_delta(before, _counters(url, name, vllm))
-        else:
-            trace = mode == "spec" and c == cfg.trace_concurrency
-            after = httpx.get(f"{url}/stats", params={"trace": trace}, headers=auth_headers(), timeout=60).json()
-            level["scheduler"] = scheduler_delta(before, after)
-            if "trace" in after:
-                spans = [s for s in after["trace"] if s["ts"] >= began]
-                level["scheduler"]["draft_busy_overlapped"] = busy_overlap(spans)
-                result["files"] += [str(p) for p in write_trace(spans[-400:], out_dir, f"{mode}_c{c}")]
-        levels[c] = level
-        log.info("%s c=%d: %.1f tok/s per user, %d failed", name, c, level["per_user_tok_s"], level["failed"])
-    serve.delete(name)
-    return levels
+            return vllm_delta(before, self.counters())
+        trace = self.mode == "spec" and c == self.cfg.trace_concurrency
+        after = httpx.get(f"{self.url}/stats", params={"trace": trace}, headers=auth_headers(), timeout=60).json()
+        out = scheduler_delta(before, after)
+        self.raw_delta = {k: after[k] - before[k] for k in before if isinstance(before[k], (int, float)) and k in after}
+        if "trace" in after:
+            spans = [s for s in after["trace"] if s["ts"] >= began]
+            out["draft_busy_overlapped"] = busy_overlap(spans)
+            result["files"] += [str(p) for p in write_trace(spans[-400:], out_dir, f"{self.mode}_c{c}")]
+        return out
 
 
 def _counters(url: str, app: str, vllm: bool):
@@ -374,10 +465,31 @@ def format_table(result: dict) -> str:
                 f"{1e3 * (r['itl_p50_s'] or 0):.0f}/{1e3 * (r['itl_p99_s'] or 0):.0f} | "
                 f"{s['acceptance_length']:.2f} | {use} | {r['failed']} |"
             )
+    from orchestrator.benchmarks.stats import format_ratio
+
     for key, backend in (("speedup", "disaggregated"), ("vllm_speedup", "vLLM")):
         if key in result:
             lines.append(
-                f"{backend}: speculation on / off, per-user tok/s: "
-                + ", ".join(f"{c} users {x:.2f}x" for c, x in result[key].items())
+                f"{backend}: speculation on / off, per-user tok/s, 95% interval over request pairs "
+                f"({result.get('repeats', 1)} interleaved repeats): "
+                + ", ".join(f"{c} users {format_ratio(x)}" for c, x in result[key].items())
             )
+    if "overhead_c1" in result:
+        o = result["overhead_c1"]
+        lines += [
+            "",
+            "| ms per round, 1 user | in-process engine | disaggregated (Ray Serve) |",
+            "|---|---|---|",
+        ]
+        for part, name in (
+            ("draft_compute_ms", "draft compute"),
+            ("verify_compute_ms", "verify compute"),
+            ("calls_ms", "worker calls beyond compute (Ray)"),
+            ("rest_ms", "scheduling, prefill, HTTP, idle"),
+            ("round_ms", "round"),
+            ("tokens_per_round", "tokens per round"),
+            ("ms_per_token", "ms per token"),
+        ):
+            lines.append(f"| {name} | {o['in_process'][part]:.2f} | {o['disaggregated'][part]:.2f} |")
+        lines.append(f"disaggregated overhead vs in-process, ms per token: {100 * o['overhead']:+.1f}%")
     return "\n".join(lines)

@@ -49,6 +49,7 @@ class SpecEngine:
     ) -> None:
         """max_nodes: draft tree nodes each request verifies per round; tokenizer: for stop strings."""
         self.target, self.draft, self.max_nodes, self.tokenizer = target, draft, max_nodes, tokenizer
+        self.last_stats: dict = {}  # the scheduler's totals of the last `generate` (rounds, draft/verify seconds)
 
     def generate(
         self,
@@ -91,6 +92,7 @@ class SpecEngine:
                 if bar is not None:
                     bar.close()
         finally:
+            self.last_stats = scheduler.stats()
             await scheduler.close()
 
     async def _collect(self, scheduler: SpecScheduler, r, bar=None) -> Generation:

@@ -37,6 +37,7 @@ def test_benchmark_job_reports_both_modes(tiny_chat, tiny_drafter, tmp_path):
             "concurrency=[1,3]",
             "min_requests=3",
             "requests_per_user=1",
+            "repeats=2",
             "max_tokens=12",
             "num_prompts=4",
             "trace_concurrency=3",
@@ -60,5 +61,16 @@ def test_benchmark_job_reports_both_modes(tiny_chat, tiny_drafter, tmp_path):
     assert spec["drafted_share"] > 0.5 and spec["acceptance_length"] >= 1.0  # fixed budgets: rounds draft
     assert result["modes"]["spec"]["1"]["scheduler"]["draft_call_ms"] > 0
     assert set(result["speedup"]) == {"1", "3"} and result["in_process_c1"]["tok_s"] > 0
+    for c, ratio in result["speedup"].items():  # interleaved repeats: every request paired with its twin
+        level = result["modes"]["spec"][c]
+        assert level["repeats"] == 2 and ratio["n"] == level["requests"] == 2 * max(3, int(c))
+        assert ratio["low"] <= ratio["ratio"] <= ratio["high"]
+    o = result["overhead_c1"]
+    for side in ("in_process", "disaggregated"):
+        costs = o[side]
+        assert costs["draft_compute_ms"] > 0 and costs["verify_compute_ms"] > 0 and costs["rounds"] > 0
+        parts = costs["draft_compute_ms"] + costs["verify_compute_ms"] + costs["calls_ms"] + costs["rest_ms"]
+        assert abs(parts - costs["round_ms"]) < 1e-6
+    assert o["in_process"]["calls_ms"] < o["disaggregated"]["calls_ms"]  # local calls vs Ray actor calls
     assert (out / "trace_spec_c3.json").is_file() and (out / "timeline_spec_c3.png").is_file()
-    assert "speculation on / off" in proc.stdout
+    assert "speculation on / off" in proc.stdout and "disaggregated overhead vs in-process" in proc.stdout
