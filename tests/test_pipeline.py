@@ -133,6 +133,8 @@ def _config_class(stem: str):
     from orchestrator.benchmarks.training_data import BenchmarkTrainingDataConfig
     from orchestrator.data.collect import CollectConfig
     from orchestrator.evaluation import EvalConfig
+    from orchestrator.evaluation.diagnose import DiagnoseConfig
+    from orchestrator.evaluation.extrapolation import ExtrapolationConfig
     from orchestrator.serving.rollout import DeployConfig
     from orchestrator.train.config import TrainConfig
 
@@ -140,6 +142,8 @@ def _config_class(stem: str):
         "collect": CollectConfig,
         "train": TrainConfig,
         "evaluate": EvalConfig,
+        "diagnose": DiagnoseConfig,
+        "extrapolation": ExtrapolationConfig,
         "deploy": DeployConfig,
         "pipeline": PipelineConfig,
         "benchmark_generate": BenchmarkGenerateConfig,

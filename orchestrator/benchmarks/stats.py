@@ -36,3 +36,42 @@ def format_ratio(r: dict, digits: int = 2) -> str:
     if r["low"] is None:
         return f"{r['ratio']:.{digits}f}x (n=1)"
     return f"{r['ratio']:.{digits}f}x [{r['low']:.{digits}f}, {r['high']:.{digits}f}]"
+
+
+def tau_ratio(a: np.ndarray, b: np.ndarray, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> dict:
+    """Acceptance length of two drafter kinds and their ratio tau_a / tau_b, with bootstrap intervals over seeds
+    and prompts. a, b: [seeds, prompts, 2] arrays of (drafted rounds, accepted drafts) per (training seed, prompt),
+    the same prompts for both; tau = 1 + sum(accepted) / sum(drafted). Each resample draws seeds and prompts with
+    replacement (the same draws for a and b: paired by prompt)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.ndim != 3 or a.shape[-1] != 2 or b.ndim != 3 or a.shape[1] != b.shape[1] or not a.shape[1]:
+        raise ValueError(f"tau_ratio needs [seeds, prompts, 2] arrays over the same prompts (got {a.shape}, {b.shape})")
+
+    def tau(x: np.ndarray) -> np.ndarray:  # [..., seeds, prompts, 2] -> [...]
+        drafted = x[..., 0].sum(axis=(-1, -2))
+        return 1 + x[..., 1].sum(axis=(-1, -2)) / np.maximum(drafted, 1)
+
+    rng = np.random.default_rng(seed)
+    n = a.shape[1]
+    prompts = rng.integers(0, n, size=(resamples, n))
+
+    def resampled(x: np.ndarray) -> np.ndarray:
+        seeds = rng.integers(0, x.shape[0], size=(resamples, x.shape[0]))
+        return x[seeds[:, :, None], prompts[:, None, :]]  # [resamples, seeds, prompts, 2]
+
+    ta, tb = tau(resampled(a)), tau(resampled(b))
+    tail = (1 - level) / 2
+
+    def interval(values: np.ndarray) -> list[float]:
+        return [float(v) for v in np.quantile(values, [tail, 1 - tail])]
+
+    return {
+        "tau_a": float(tau(a)),
+        "tau_a_interval": interval(ta),
+        "tau_b": float(tau(b)),
+        "tau_b_interval": interval(tb),
+        "ratio": float(tau(a) / tau(b)),
+        "ratio_interval": interval(ta / tb),
+        "seeds": [a.shape[0], b.shape[0]],
+        "prompts": n,
+    }

@@ -104,6 +104,7 @@ def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompt
             "overall": _tau_by(prompts, gens, lambda p: "all")["all"],
             "sets": _tau_by(prompts, gens, lambda p: p.set),
             "labels": _tau_by(prompts, gens, lambda p: f"{p.set}/{p.label}"),
+            "per_prompt": [[g.acceptance.drafts, g.acceptance.accepted] for g in gens],  # for resampling
         }
         log.info("%s %s: tau %.3f", drafter_dir.name, method, out[method]["overall"]["acceptance_length"])
     out["draft_vocab_coverage"] = _coverage(engine.draft.proposer.drafter.t2d, prompts, gens)
@@ -166,6 +167,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     eos = eos_token_ids(model_dir, tokenizer)
     prompts = build_sets(cfg, model_dir, tokenizer, eos)
     result = {"prompts": _count(prompts), "max_tokens": cfg.max_tokens, "drafters": {}}
+    result["prompt_labels"] = [[p.set, p.label] for p in prompts]  # the rows of every method's per_prompt
     chains = [(m, s) for m, s in cfg.methods.items() if s.method == "chain"]
     for name, drafter_dir in drafters.items():
         entry = {"source": next(d.source for d in cfg.drafters if d.name == name)}
