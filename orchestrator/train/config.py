@@ -17,11 +17,24 @@ class DrafterSpec(StrictModel):
     norm_output: bool | None = Field(None, description="feed the post-norm hidden state to the next step")
     norm_before_fc: bool | None = Field(None, description="one RMSNorm over the concatenated aux states")
     draft_vocab_size: int = Field(8192, ge=1, description="most frequent loss-masked target tokens")
+    draft_vocab_coverage: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="size the vocabulary by coverage instead: the fewest most frequent tokens that cover this share"
+        " of the loss-masked training tokens, rounded up to a multiple of 64 (overrides draft_vocab_size)",
+    )
     num_hidden_layers: int = Field(1, ge=1)
     init_from: str | None = Field(
         None, description="warm start: a drafter directory, s3:// URI or models:/NAME/VERSION | models:/NAME@ALIAS"
     )
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_vocabulary(self):
+        if self.init_from and self.draft_vocab_coverage is not None:
+            raise ValueError("init_from keeps the warm drafter's vocabulary: drop draft_vocab_coverage")
+        return self
 
     def flags(self) -> dict:
         """Explicit flag overrides on top of the variant."""

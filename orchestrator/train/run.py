@@ -31,7 +31,7 @@ from orchestrator.train.config import TrainConfig
 from orchestrator.train.loop import train_loop_per_worker
 from orchestrator.train.plots import plot_training
 from orchestrator.train.progress import TrainingBar
-from orchestrator.train.vocab import count_sequences, count_tokens, coverage, draft_vocab
+from orchestrator.train.vocab import count_sequences, count_tokens, coverage, draft_vocab, size_for_coverage
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,15 @@ def run_training(cfg: TrainConfig) -> dict:
     manifest, manifest_sha = (online["manifest"], online["manifest_sha256"]) if online else read_manifest(cfg.data)
     check_data(manifest, hf, model_dir, cfg.num_workers)
     aux = tuple(manifest["aux_layer_ids"])
-    config = DrafterConfig.for_target(hf, aux, cfg.drafter.draft_vocab_size, cfg.drafter.variant, **cfg.drafter.flags())
+    if online:
+        train = (seq for plan in online["plans"] if plan.split == "train" for seq in plan.sequences)
+        counts = count_sequences(train, hf["vocab_size"], "online data: the train split")
+    else:
+        counts = count_tokens(cfg.data, hf["vocab_size"])
+    size = cfg.drafter.draft_vocab_size
+    if cfg.drafter.draft_vocab_coverage is not None:
+        size = size_for_coverage(counts, cfg.drafter.draft_vocab_coverage)
+    config = DrafterConfig.for_target(hf, aux, size, cfg.drafter.variant, **cfg.drafter.flags())
     uri = tracking_uri(cfg.mlflow.tracking_uri)
     init_dir, warm_drafter = None, None
     if cfg.drafter.init_from:
@@ -141,12 +149,7 @@ def run_training(cfg: TrainConfig) -> dict:
         ):
             raise AerieError(f"init_from {cfg.drafter.init_from} has a different shape than the configured drafter")
 
-    if online:
-        train = (seq for plan in online["plans"] if plan.split == "train" for seq in plan.sequences)
-        counts = count_sequences(train, hf["vocab_size"], "online data: the train split")
-    else:
-        counts = count_tokens(cfg.data, hf["vocab_size"])
-    vocab = draft_vocab(counts, cfg.drafter.draft_vocab_size)
+    vocab = draft_vocab(counts, config.draft_vocab_size)
     if warm_drafter is not None:
         vocab = torch.nonzero(warm_drafter.t2d).flatten()
     cover = coverage(counts, vocab)
@@ -157,6 +160,7 @@ def run_training(cfg: TrainConfig) -> dict:
     if not resumed:
         params = redact(cfg.model_dump(mode="json"))
         params.update({"variant": config.variant, "data.manifest_sha256": manifest_sha, "draft_vocab.coverage": cover})
+        params["draft_vocab.size"] = config.draft_vocab_size
         from mlflow.entities import Param
 
         items = [Param(k, str(v)) for k, v in params.items()]
@@ -245,6 +249,7 @@ def _finish(cfg, ckpt: Path, mlflow, run_id: str, config, manifest_sha: str, cov
         "steps": progress["step"],
         "train_minutes": round(progress["elapsed_s"] / 60, 2),
         "tokens": progress["tokens"],
+        "draft_vocab_size": config.draft_vocab_size,
         "draft_vocab_coverage": round(cover, 4),
         "final_metrics": {k: round(v, 4) for k, v in sorted(final.items())},
     }

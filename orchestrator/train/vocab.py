@@ -43,6 +43,19 @@ def draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
+def size_for_coverage(counts: torch.Tensor, share: float, multiple: int = 64) -> int:
+    """The fewest most-frequent ids covering `share` of the counted tokens, rounded up to `multiple` (aligned
+    lm_head rows) and capped at the target's vocabulary.
+
+        counts {"the": 6, ",": 3, "cat": 1}, share 0.9, multiple 1  ->  2   ("the" and "," cover 9 of 10)
+    """
+    if not 0 < share <= 1:
+        raise AerieError(f"draft_vocab_coverage {share} must be in (0, 1]")
+    cumulative = torch.cumsum(torch.sort(counts, descending=True).values, 0)
+    need = int(torch.searchsorted(cumulative, share * cumulative[-1].item() - 1e-9 * cumulative[-1].item())) + 1
+    return min(counts.numel(), -(-need // multiple) * multiple)
+
+
 def coverage(counts: torch.Tensor, vocab: torch.Tensor) -> float:
     """Share of loss-masked tokens the draft vocabulary can propose."""
-    return float(counts[vocab].sum() / counts.sum())
+    return counts[vocab].sum().item() / counts.sum().item()

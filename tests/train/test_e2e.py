@@ -317,6 +317,7 @@ def test_s3_data_checkpoints_and_export(root, trained, s3_env, monkeypatch):
     """Shards read from S3, Ray Train checkpoints and the exported drafter written to S3 (moto on loopback)."""
     from orchestrator.data.storage import download_prefix, upload_dir
     from orchestrator.models.checkpoint import load_drafter
+    from orchestrator.train.vocab import count_tokens, size_for_coverage
 
     env, client = s3_env
     for key, value in env.items():
@@ -332,6 +333,7 @@ def test_s3_data_checkpoints_and_export(root, trained, s3_env, monkeypatch):
         "num_workers=1",
         "max_steps=4",
         "mlflow.registered_model=null",
+        "drafter.draft_vocab_coverage=0.9",
         env=env,
     )
     _ok(proc)
@@ -339,7 +341,8 @@ def test_s3_data_checkpoints_and_export(root, trained, s3_env, monkeypatch):
     assert any(k.endswith("/drafter/model.safetensors") for k in keys), keys
     assert any(k.endswith("/optimizer.safetensors") for k in keys), keys
     drafter = load_drafter(download_prefix("s3://aerie-test/e2e-drafter", root / "from-s3"))
-    assert drafter.config.draft_vocab_size == 512
+    counts = count_tokens(str(root / "data"), drafter.config.vocab_size)
+    assert drafter.config.draft_vocab_size == size_for_coverage(counts, 0.9) != 512
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import torch
 
 from orchestrator.errors import AerieError
 from orchestrator.models.drafter import Drafter, DrafterConfig
-from orchestrator.train.vocab import coverage, draft_vocab
+from orchestrator.train.vocab import coverage, draft_vocab, size_for_coverage
 from tests.helpers import TINY_LLAMA
 
 
@@ -22,6 +22,22 @@ def test_draft_vocab_takes_the_most_frequent_ids_ascending_and_maps_like_vllm():
     assert drafter.to_target_ids(torch.arange(3)).tolist() == [2, 4, 6]
     with pytest.raises(AerieError, match="draft_vocab_size 8 must be in 1..7"):
         draft_vocab(counts, 8)
+
+
+def test_vocabulary_sized_by_coverage_is_the_fewest_tokens_reaching_it():
+    counts = torch.tensor([1, 6, 0, 3])  # sorted: 6, 3, 1, 0 of 10
+    assert [size_for_coverage(counts, s, multiple=1) for s in (0.6, 0.61, 0.9, 0.95, 1.0)] == [1, 2, 2, 3, 3]
+    assert coverage(counts, draft_vocab(counts, size_for_coverage(counts, 0.9, multiple=1))) >= 0.9
+    assert size_for_coverage(counts, 0.5) == 4  # rounded up to 64, capped at the target's vocabulary
+    assert size_for_coverage(torch.ones(1000, dtype=torch.long), 0.1) == 128  # 100 -> 128
+    from orchestrator.train.config import TrainConfig
+
+    base = {"name": "x", "model": "m", "data": "d", "output": "o", "max_steps": 1}
+    with pytest.raises(ValueError, match="drop draft_vocab_coverage"):
+        warm = {"variant": "eagle3", "init_from": "d", "draft_vocab_coverage": 0.9}
+        TrainConfig.model_validate(base | {"drafter": warm})
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        TrainConfig.model_validate(base | {"drafter": {"variant": "eagle3", "draft_vocab_coverage": 1.5}})
 
 
 def test_learning_rate_warms_up_then_decays_over_the_budget():
