@@ -119,18 +119,25 @@ class ModeChooser:
     call, waiting for the other micro-batch), so it holds on any hardware: a compute-bound target, a drafter
     sharing its cores, network hops.
 
-    A mode's rate is (moving average of tokens) / (moving average of seconds) over its rounds: a drafted
-    round yields 1 to depth+1 tokens, and averaging per-round rates let one unlucky round flip the choice.
-    A mode not measured for `probe_every` rounds starts a fresh average (a probe replaces a stale estimate
-    instead of nudging it by `smoothing`). A drafted round that follows target-only ones is not measured
-    (`catch_up`): the drafter first commits every state it skipped, a cost of the stretch before it, not of
-    drafting (measured at concurrency 1 in-domain: counting it kept drafting off although drafted rounds
-    were faster)."""
+    A mode's rate is (average tokens per request and round) / (average seconds per round): a drafted round
+    yields 1 to depth+1 tokens, and averaging per-round rates let one unlucky round flip the choice. The two
+    averages have different memories. A round's cost varies little, so seconds are a moving average with
+    `smoothing`, and a mode not measured for `probe_every` rounds starts a fresh one (a probe replaces a stale
+    cost instead of nudging it). Tokens per drafted round vary a lot (acceptance differs per request and per
+    stretch of text), so they are averaged over the last ~1/`yield_smoothing` drafted rounds, probes included,
+    and never restarted. With a short memory, a dip of acceptance switched drafting off and the next short
+    probe, landing on a hard stretch as often as not, kept it off for longer and longer: a simulated drafter
+    accepting 55% per step at 1.5x a target-only round's cost drafted 54% of its rounds at concurrency 1 (the
+    serving benchmark measured 54%), now 95% (tests/runtime/test_policies.py). A drafted round that follows
+    target-only ones is not measured (`catch_up`): the drafter first commits every state it skipped, a cost of
+    the stretch before it, not of drafting (measured at concurrency 1 in-domain: counting it kept drafting off
+    although drafted rounds were faster)."""
 
     probe_every: int = 16
     probe_rounds: int = 6
     smoothing: float = 0.1
-    sums: dict = field(default_factory=dict)  # (drafted, bucket) -> [tokens, seconds] moving averages
+    yield_smoothing: float = 1 / 64
+    sums: dict = field(default_factory=dict)  # (drafted, bucket) -> [tokens per request, seconds] per round
     seen: dict = field(default_factory=dict)  # (drafted, bucket) -> [rounds measured, in this streak, last round]
     rounds: int = 0
     max_backoff: int = 16
@@ -163,7 +170,7 @@ class ModeChooser:
         return mode
 
     def rate(self, drafted: bool, bucket: int) -> float:
-        """Measured tokens per second of a mode at a batch-size bucket (n.bit_length())."""
+        """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""
         tokens, seconds = self.sums[(drafted, bucket)]
         return tokens / max(seconds, 1e-6)
 
@@ -180,6 +187,8 @@ class ModeChooser:
         if self.rounds - last > self.probe_every:
             streak = 0  # stale: start afresh
         a = max(self.smoothing, 1.0 / (streak + 1))  # a fresh streak: its running mean
-        old_tokens, old_seconds = self.sums.get(key, (tokens, seconds))
-        self.sums[key] = ((1 - a) * old_tokens + a * tokens, (1 - a) * old_seconds + a * seconds)
+        y = max(self.yield_smoothing, 1.0 / (total + 1))  # the running mean of every round, then a long EMA
+        per_request = tokens / max(1, n)  # comparable across the batch sizes of one bucket
+        old_tokens, old_seconds = self.sums.get(key, (per_request, seconds))
+        self.sums[key] = ((1 - y) * old_tokens + y * per_request, (1 - a) * old_seconds + a * seconds)
         self.seen[key] = [total + 1, streak + 1, self.rounds]
