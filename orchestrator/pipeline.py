@@ -236,13 +236,12 @@ class Pipeline:
     def check_keys(self) -> None:
         """The benchmark's and the rollout's backends start only with an API key (and their clients send it):
         on this job's private Ray one is made as `aerie serve` makes it; on a cluster it must be configured."""
-        from orchestrator.serving.guard import api_keys, ensure_local_key
+        from orchestrator.serving.guard import keys_for_servers
 
         if not self.cfg.benchmark.enabled and (self.cfg.deploy.when == "never" or self.cluster is None):
             return
-        if self.cluster is None and (written := ensure_local_key()) is not None:
+        if (written := keys_for_servers(private_ray=self.cluster is None)) is not None:
             self.say(f"wrote a new API key to {written} (the benchmark's server and clients use it)")
-        api_keys()
 
     # -- the stages -------------------------------------------------------------------------------------------
 

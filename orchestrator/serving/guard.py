@@ -63,6 +63,15 @@ def api_keys() -> list[str]:
     return keys
 
 
+def keys_for_servers(private_ray: bool) -> Path | None:
+    """Before a job deploys servers it then calls: on its own private Ray (nobody else can reach it) a missing
+    key is made as `aerie serve` makes it, and the written file returned; on a cluster one must be configured.
+    AerieError (one line) when there is none, before anything is deployed."""
+    written = ensure_local_key() if private_ray else None
+    api_keys()
+    return written
+
+
 def ensure_local_key() -> Path | None:
     """For a server on this machine: when no key is configured, write a random one to the default key file
     (readable by this user only) and return its path; None when a key is configured already."""

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from orchestrator.errors import AerieError
-from orchestrator.serving.guard import Guard, api_keys, authorized, ensure_local_key
+from orchestrator.serving.guard import Guard, api_keys, authorized, ensure_local_key, keys_for_servers
 from orchestrator.serving.protocol import Limits, check_request
 from tests.helpers import API_KEY, AUTH
 
@@ -61,9 +61,11 @@ def test_keys_come_from_the_environment_or_a_file(monkeypatch, tmp_path):
         api_keys()
     assert "short" not in str(err.value)  # no key in an error message
     monkeypatch.delenv("AERIE_API_KEY")
-    written = ensure_local_key()  # `aerie serve` on this machine
+    with pytest.raises(AerieError, match="no API key"):  # a job deploying on a cluster: configure one
+        keys_for_servers(private_ray=False)
+    written = keys_for_servers(private_ray=True)  # a job on its own Ray, or `aerie serve` on this machine
     assert written is not None and written.stat().st_mode & 0o077 == 0 and len(api_keys()[0]) >= 32
-    assert ensure_local_key() is None  # kept, not replaced
+    assert ensure_local_key() is None and keys_for_servers(private_ray=True) is None  # kept, not replaced
 
 
 def test_authorization_header_forms():
