@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     r = measure(read_hf_config(args.model), args.draft_vocab, args.ttt_steps, args.sequences, args.length)
-    print(f"{r['flops_per_token'] / 1e6:.0f} MFLOP of matmuls per trained token (forward + backward, {args.threads} threads)")
+    per_token = r["flops_per_token"] / 1e6
+    print(f"{per_token:.0f} MFLOP of matmuls per trained token (forward + backward), {args.threads} threads")
     for name in ("fp32", "bf16"):
         m = r[name]
         print(
