@@ -26,10 +26,17 @@ def init_ray(address: str | None = None) -> None:
 
     if ray.is_initialized():
         return
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=False)
-    else:
+    if starts_private_ray(address):
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+
+
+def starts_private_ray(address: str | None = None) -> bool:
+    """Whether `init_ray(address)` would start this process's own Ray (nobody else can reach it)."""
+    import ray
+
+    return not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
 
 
 def local_cluster_file() -> Path:

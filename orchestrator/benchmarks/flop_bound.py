@@ -4,7 +4,7 @@ tokens/s, in fp32 and bf16 autocast.
 
     python -m orchestrator.benchmarks.flop_bound --model models/smollm2-135m-instruct --threads 2
 
-prints, per precision: `bf16: GEMM peak 389 GFLOP/s; step 1057 ms -> 969 tok/s; bound 1754 tok/s; 55% of it`.
+prints, per precision: `bf16: GEMM peak 389 GFLOP/s; step 969 tok/s; bound 1754 tok/s; 55% of it`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
@@ -334,10 +333,9 @@ def load_prompts(source: str, n: int) -> list[dict]:
 def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     """Deploy every (backend, mode) at once, then per concurrency level run them in turn, `repeats` times in
     alternating order (ABBA...), so the machine's drift falls on both sides of every ratio."""
-    import ray
     from ray import serve
 
-    from orchestrator.jobrunner import init_ray
+    from orchestrator.jobrunner import init_ray, starts_private_ray
     from orchestrator.serving.guard import keys_for_servers
 
     _, app = read_serve_config(cfg.app, cfg.app_overrides)
@@ -347,8 +345,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         same = [f"drafter={args['drafter']}"] if args.get("drafter") else []
         backends.append(("vllm-", read_serve_config(cfg.vllm_app, same + list(cfg.vllm_overrides))[1]))
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
-    private = not (cfg.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized())
-    if (written := keys_for_servers(private_ray=private)) is not None:
+    if (written := keys_for_servers(private_ray=starts_private_ray(cfg.address))) is not None:
         log.info("wrote a new API key to %s (the benchmark's servers and clients use it)", written)
     init_ray(cfg.address)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})

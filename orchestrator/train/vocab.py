@@ -52,10 +52,11 @@ def size_for_coverage(counts: torch.Tensor, share: float, multiple: int = 64) ->
     if not 0 < share <= 1:
         raise AerieError(f"draft_vocab_coverage {share} must be in (0, 1]")
     cumulative = torch.cumsum(torch.sort(counts, descending=True).values, 0)
-    need = int(torch.searchsorted(cumulative, share * cumulative[-1].item() - 1e-9 * cumulative[-1].item())) + 1
+    need = int(torch.searchsorted(cumulative, (share - 1e-9) * cumulative[-1].item())) + 1  # 1e-9: float error
     return min(counts.numel(), -(-need // multiple) * multiple)
 
 
 def coverage(counts: torch.Tensor, vocab: torch.Tensor) -> float:
     """Share of loss-masked tokens the draft vocabulary can propose."""
-    return counts[vocab].sum().item() / counts.sum().item()
+    total = counts.sum().item()
+    return counts[vocab].sum().item() / total if total else 0.0

@@ -28,6 +28,7 @@ def test_vocabulary_sized_by_coverage_is_the_fewest_tokens_reaching_it():
     counts = torch.tensor([1, 6, 0, 3])  # sorted: 6, 3, 1, 0 of 10
     assert [size_for_coverage(counts, s, multiple=1) for s in (0.6, 0.61, 0.9, 0.95, 1.0)] == [1, 2, 2, 3, 3]
     assert coverage(counts, draft_vocab(counts, size_for_coverage(counts, 0.9, multiple=1))) >= 0.9
+    assert coverage(torch.zeros(4, dtype=torch.long), torch.tensor([0])) == 0.0  # no loss-masked token: no error
     assert size_for_coverage(counts, 0.5) == 4  # rounded up to 64, capped at the target's vocabulary
     assert size_for_coverage(torch.ones(1000, dtype=torch.long), 0.1) == 128  # 100 -> 128
     from orchestrator.train.config import TrainConfig
