@@ -11,8 +11,12 @@ siblings, which keeps verification lossless) while
     (n + sum of p over the k chosen nodes) / (t_verify(n + k) + overhead)     expected tokens per second
 
 still grows and n + k stays within the global budget. `t_verify` is a line fitted online to the measured
-verification times, so on a compute-bound target (a CPU, a large batch) the trees shrink to what pays for
-itself, while at concurrency 1 on a memory-bound target a request gets its whole tree.
+times of rounds that verified draft nodes, so on a compute-bound target (a CPU, a large batch) the trees shrink
+to what pays for itself, while at concurrency 1 on a memory-bound target a request gets its whole tree.
+Target-only rounds stay out of the fit: a plain decode step takes another path (no tree mask; on a CPU one
+token is a matrix-vector product), and on SmolLM2 here it costs 75 ms against ~95 ms for 2 to 9 tokens. A line
+through both read that step as ~7 ms per node and cut the served 8-node trees to ~2.9 nodes, where each node
+really costs ~0.5 ms. Whether to draft at all is the `ModeChooser`'s call, from measured rounds.
 
     budget 5, cost flat: a = [.9, .5 (child of .9)], b = [.3]  ->  roots a, b + a:.9, a:.5, b:.3
 """
@@ -100,9 +104,11 @@ class BudgetPolicy:
         t = self.cost(n + k) if self.adaptive else None
         return None if t is None else (n + expected) / (t + overhead_s)
 
-    def observe(self, verified_tokens: int, verify_s: float, predicted: float, accepted: int) -> None:
-        """Feed back one round: its cost, and how many draft tokens were predicted vs accepted."""
-        self.cost.observe(verified_tokens, verify_s)
+    def observe(self, requests: int, verified_tokens: int, verify_s: float, predicted: float, accepted: int) -> None:
+        """Feed back one round of `requests` requests: its cost (when it verified draft nodes: see the module's
+        docstring), and how many draft tokens were predicted vs accepted."""
+        if verified_tokens > requests:
+            self.cost.observe(verified_tokens, verify_s)
         if predicted > 0:
             ratio = min(4.0, max(0.25, accepted / predicted))
             self.calibration = min(4.0, max(0.05, self.calibration * ratio**0.1))

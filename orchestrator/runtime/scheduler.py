@@ -272,7 +272,8 @@ class SpecScheduler:
         latency = time.perf_counter() - began
         self._span("verify", "target", g, out.started, out.compute_s, len(ids), out.verified_tokens)
         self._stash(g, pairs)
-        self.policy.observe(out.verified_tokens, out.compute_s, predicted, sum(u.accepted for u in out.updates))
+        accepted = sum(u.accepted for u in out.updates)
+        self.policy.observe(len(ids), out.verified_tokens, out.compute_s, predicted, accepted)
         with_draft = trees_ref is not None
         if self.cfg.adaptive:
             emitted = sum(len(u.tokens) for u in out.updates)

@@ -50,6 +50,27 @@ def test_compute_bound_cost_trims_trees_and_concurrency_one_gets_the_whole_tree(
     assert flat.allocate([tree])[0] == [[0, 1, 2, 3]]
 
 
+def test_the_cost_of_a_plain_decode_step_does_not_price_the_nodes():
+    """SmolLM2 on this CPU at concurrency 1: a target-only round (1 token, no tree mask) takes 75 ms, verifying a
+    tree ~95 ms plus 0.5 ms a node. Fitted through both, that step reads as ~3 ms a node and cuts the trees (the
+    served 8-node trees got ~3 nodes a round); the policy fits only rounds that verified nodes, and verifies the
+    whole tree."""
+    tree = _sketch([-1, -1, 0, 0, 2, 2, 4, 4], [0.5, 0.2, 0.3, 0.05, 0.18, 0.04, 0.1, 0.03])  # depth 4, topk 2
+    policy = BudgetPolicy(budget_tokens=16, max_nodes_per_request=8)
+    both = LinearCost()
+    rng = random.Random(0)
+    for i in range(200):
+        nodes = 0 if i % 4 == 0 else rng.randint(2, 8)  # a quarter of the rounds target-only
+        seconds = 0.075 if nodes == 0 else 0.095 + 0.0005 * nodes
+        policy.observe(1, 1 + nodes, seconds, predicted=0.0, accepted=0)
+        both.observe(1 + nodes, seconds)
+    a, b = policy.cost.coefficients()
+    assert a == pytest.approx(0.095, abs=1e-3) and b == pytest.approx(0.0005, abs=1e-4)
+    assert policy.allocate([tree])[0] == [list(range(8))]
+    trimmed = BudgetPolicy(budget_tokens=16, max_nodes_per_request=8, cost=both).allocate([tree])[0][0]
+    assert len(trimmed) < 8
+
+
 def test_without_a_cost_model_or_adaptivity_every_request_gets_its_tree():
     tree = _sketch([-1, 0], [0.1, 0.01])
     assert BudgetPolicy(64, 8).allocate([tree] * 3)[0] == [[0, 1]] * 3  # no measurements yet
@@ -61,7 +82,7 @@ def test_calibration_follows_what_verification_accepts():
     """The drafter claims 2 accepted tokens per round where 1 is accepted: its probabilities get halved."""
     policy = BudgetPolicy(64, 8)
     for _ in range(200):
-        policy.observe(10, 0.1, predicted=policy.calibration * 2.0, accepted=1)
+        policy.observe(1, 10, 0.1, predicted=policy.calibration * 2.0, accepted=1)
     assert policy.calibration == pytest.approx(0.5, rel=0.05)
 
 
