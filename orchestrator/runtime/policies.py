@@ -18,6 +18,11 @@ token is a matrix-vector product), and on SmolLM2 here it costs 75 ms against ~9
 through both read that step as ~7 ms per node and cut the served 8-node trees to ~2.9 nodes, where each node
 really costs ~0.5 ms. Whether to draft at all is the `ModeChooser`'s call, from measured rounds.
 
+A drafted round verifies at least its best node, whatever the cost model says. Otherwise a drafter whose
+calibration sank (a bad stretch, a random drafter) was never verified again: its calibration, fed only by
+verified nodes, could not recover, the ModeChooser's probes drafted and verified nothing, and a rollout's
+acceptance gate saw no drafts on that backend and waited out its whole window (10 min, measured).
+
     budget 5, cost flat: a = [.9, .5 (child of .9)], b = [.3]  ->  roots a, b + a:.9, a:.5, b:.3
 """
 
@@ -91,8 +96,8 @@ class BudgetPolicy:
                 continue  # this request is full: its other nodes stay out
             p = min(1.0, self.calibration * math.exp(order.scores[r][node]))
             rate = self._rate(n, expected + p, taken + 1, overhead_s)
-            if best_rate is not None and rate is not None and rate <= best_rate:
-                break  # the next best node no longer pays for its verification
+            if taken and best_rate is not None and rate is not None and rate <= best_rate:
+                break  # the next best node no longer pays for its verification (the best one always goes: below)
             best_rate = rate
             order.take(r, node)
             chosen[r].append(node)

@@ -71,6 +71,23 @@ def test_the_cost_of_a_plain_decode_step_does_not_price_the_nodes():
     assert len(trimmed) < 8
 
 
+def test_a_drafted_round_verifies_its_best_node_so_a_sunk_calibration_can_recover():
+    """A drafter at the calibration floor (nothing of it accepted) still gets its best node verified in a
+    drafted round; when verification starts accepting it, calibration climbs back and the trees grow again."""
+    tree = _sketch([-1, 0, 1, 2], [0.9, 0.8, 0.7, 0.6])
+    policy = BudgetPolicy(budget_tokens=16, max_nodes_per_request=8, cost=_flat_cost(a=1.0, b=0.5))
+    for _ in range(100):
+        policy.observe(1, 2, 1.5, predicted=policy.allocate([tree])[1], accepted=0)
+    assert policy.calibration == pytest.approx(0.05)
+    assert policy.allocate([tree])[0] == [[0]]  # p .045: not worth its cost, verified anyway
+    rounds = 0
+    while len(policy.allocate([tree])[0][0]) < 4 and rounds < 200:
+        chosen, predicted = policy.allocate([tree])
+        policy.observe(1, 1 + len(chosen[0]), 1.0 + 0.5 * len(chosen[0]), predicted, accepted=len(chosen[0]))
+        rounds += 1
+    assert rounds < 200 and policy.calibration > 0.5
+
+
 def test_without_a_cost_model_or_adaptivity_every_request_gets_its_tree():
     tree = _sketch([-1, 0], [0.1, 0.01])
     assert BudgetPolicy(64, 8).allocate([tree] * 3)[0] == [[0, 1]] * 3  # no measurements yet
