@@ -73,8 +73,11 @@ class BudgetPolicy:
     budget_tokens: int
     max_nodes_per_request: int
     adaptive: bool = True  # False: every request verifies its whole tree (fixed per-request budgets)
-    calibration: float = 1.0  # accepted / predicted, tracked over rounds
+    calibration: float = 1.0  # accepted / predicted draft tokens over recent rounds (see `observe`)
     cost: LinearCost | None = None
+    calibration_decay: float = 0.98  # per round: a memory of ~50 rounds
+    _accepted: float = 0.0
+    _predicted: float = 0.0
 
     def __post_init__(self) -> None:
         self.cost = self.cost or LinearCost()
@@ -115,8 +118,14 @@ class BudgetPolicy:
         if verified_tokens > requests:
             self.cost.observe(verified_tokens, verify_s)
         if predicted > 0:
-            ratio = min(4.0, max(0.25, accepted / predicted))
-            self.calibration = min(4.0, max(0.05, self.calibration * ratio**0.1))
+            # A ratio of sums. It was a running product of per-round ratios, i.e. a geometric mean: a round that
+            # accepts nothing (half of them with a useful drafter) pulled it down more than a good round pushed
+            # it up, and the served demo drafter's calibration sat at its floor (0.05, measured) while
+            # verification accepted 0.35 of what it predicted, so trees were cut to ~3 of 8 nodes.
+            d = self.calibration_decay
+            self._accepted = d * self._accepted + accepted
+            self._predicted = d * self._predicted + predicted / self.calibration  # the drafter's own claim
+            self.calibration = min(4.0, max(0.05, self._accepted / self._predicted))
 
 
 @dataclass
