@@ -120,8 +120,8 @@ class BudgetPolicy:
         if predicted > 0:
             # A ratio of sums. It was a running product of per-round ratios, i.e. a geometric mean: a round that
             # accepts nothing (half of them with a useful drafter) pulled it down more than a good round pushed
-            # it up, and the served demo drafter's calibration sat at its floor (0.05, measured) while
-            # verification accepted 0.35 of what it predicted, so trees were cut to ~3 of 8 nodes.
+            # it up: a calibrated drafter's sank to 0.45 (tests/runtime/test_policies.py), the served demo drafter's
+            # to its floor (0.05, measured; now 0.86-0.94), and its trees were cut to ~3 of 8 nodes.
             d = self.calibration_decay
             self._accepted = d * self._accepted + accepted
             self._predicted = d * self._predicted + predicted / self.calibration  # the drafter's own claim
