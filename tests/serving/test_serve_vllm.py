@@ -35,25 +35,27 @@ def _args(model, **kw) -> dict:
     }
 
 
-def _drafter(smollm2_dir, out, seed: int):
+def _drafter(smollm2_dir, out, seed: int, variant: str):
     from orchestrator.models import read_hf_config
     from orchestrator.models.checkpoint import save_drafter
     from tests.helpers import random_drafter
 
-    return save_drafter(random_drafter(read_hf_config(smollm2_dir), draft_vocab_size=2048, seed=seed), out)
+    drafter = random_drafter(read_hf_config(smollm2_dir), variant, draft_vocab_size=2048, seed=seed)
+    return save_drafter(drafter, out)
 
 
 @pytest.fixture(scope="module")
 def vllm_apps(serve_session, smollm2_dir, tmp_path_factory):
-    """'vl' (router + backend vl-1 with a random-weights drafter, via jobs.deploy's code) and 'vl-plain'
-    (the same app without speculation, deployed directly)."""
+    """'vl' (router + backend vl-1 with a random-weights EAGLE-3 drafter, via jobs.deploy's code) and 'vl-plain'
+    (the same app without speculation, deployed directly). The rollout test moves 'vl' to an EAGLE-3.1 drafter;
+    tests/test_vllm_compat.py runs EAGLE-3.1 through `aerie generate --engine vllm`."""
     from ray import serve
 
     from orchestrator.serving.rollout import run_rollout, undeploy
     from orchestrator.serving.vllm_app import build_app
 
     tmp = tmp_path_factory.mktemp("vllm-serve")
-    d1 = _drafter(smollm2_dir, tmp / "d1", seed=0)
+    d1 = _drafter(smollm2_dir, tmp / "d1", seed=0, variant="eagle3")
     app = serve_config(tmp / "serve-vllm.yaml", "vl", _args(smollm2_dir, drafter=str(d1)), VLLM_APP)
     serve.run(build_app(_args(smollm2_dir, speculation=False)), name="vl-plain", route_prefix="/vl-plain")
     run_rollout(deploy_cfg(serve_session, app, "vl", output_dir=str(tmp / "deploy")))
@@ -251,8 +253,9 @@ def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2
 
     from orchestrator.serving.rollout import run_rollout
 
+    plain = {q: _greedy(vllm_apps["plain"], q) for q in QUESTIONS[:2]}
     serve.delete("vl-plain")  # one engine fewer while two run side by side
-    d2 = _drafter(smollm2_dir, vllm_apps["tmp"] / "d2", seed=1)
+    d2 = _drafter(smollm2_dir, vllm_apps["tmp"] / "d2", seed=1, variant="eagle3.1")
     with StreamingLoad(vllm_apps["spec"], users=3, model="smol") as load:
         time.sleep(3)
         record = run_rollout(
@@ -275,3 +278,4 @@ def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2
     assert all(a["drafts"] >= 10 for a in record["acceptance"].values())  # read from vLLM's metrics
     assert len(load.results) >= 10 and load.failures() == []
     assert "vl-1" not in serve.status().applications
+    assert {q: _greedy(vllm_apps["spec"], q) for q in plain} == plain  # EAGLE-3.1 in vLLM: lossless too
