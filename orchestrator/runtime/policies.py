@@ -2,7 +2,8 @@
 acceptance (`BudgetPolicy`), and whether a round drafts at all (`ModeChooser`).
 
 Each draft node carries the drafter's probability of the path to it, exp(score): the chance that the target
-accepts it, when the drafter is calibrated (`calibration` rescales it by what verification really accepted).
+accepts it, when the drafter is calibrated (`calibration` rescales it: accepted / predicted draft tokens over
+recent rounds).
 A round over n requests emits n tokens for sure (each request's bonus or correcting token) plus, in
 expectation, the sum of those probabilities over the verified nodes. `BudgetPolicy.allocate` takes nodes
 best first across all requests (`spec.tree.BestFirst`: a node only after its parent and its earlier-drawn
@@ -15,8 +16,8 @@ times of rounds that verified draft nodes, so on a compute-bound target (a CPU, 
 to what pays for itself, while at concurrency 1 on a memory-bound target a request gets its whole tree.
 Target-only rounds stay out of the fit: a plain decode step takes another path (no tree mask; on a CPU one
 token is a matrix-vector product), and on SmolLM2 here it costs 75 ms against ~95 ms for 2 to 9 tokens. A line
-through both read that step as ~7 ms per node and cut the served 8-node trees to ~2.9 nodes, where each node
-really costs ~0.5 ms. Whether to draft at all is the `ModeChooser`'s call, from measured rounds.
+through both read that step as a cost per node (3.3 ms in a probe at concurrency 1, where a node costs ~0.5 ms)
+and cut trees. Whether to draft at all is the `ModeChooser`'s call, from measured rounds.
 
 A drafted round verifies at least its best node, whatever the cost model says. Otherwise a drafter whose
 calibration sank (a bad stretch, a random drafter) was never verified again: its calibration, fed only by
