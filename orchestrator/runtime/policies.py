@@ -101,7 +101,7 @@ class BudgetPolicy:
             p = min(1.0, self.calibration * math.exp(order.scores[r][node]))
             rate = self._rate(n, expected + p, taken + 1, overhead_s)
             if taken and best_rate is not None and rate is not None and rate <= best_rate:
-                break  # the next best node no longer pays for its verification (the best one always goes: below)
+                break  # the next node no longer pays for its verification (the first always goes: module docstring)
             best_rate = rate
             order.take(r, node)
             chosen[r].append(node)
