@@ -44,8 +44,13 @@ def load_config(model: type[T], path: str | Path | None, overrides: list[str] | 
         bad = [o for o in overrides or [] if "=" not in o]
         if bad:
             raise AerieError(f"overrides must look like key=value, got {bad}")
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
-        data = OmegaConf.to_container(merged, resolve=True)
+        for override in overrides or []:  # one by one: `sources.0.weight=2` reaches into a list
+            key, value = override.split("=", 1)
+            try:
+                OmegaConf.update(base, key, OmegaConf.from_dotlist([f"v={value}"])["v"], merge=True)
+            except (OmegaConfBaseException, TypeError, ValueError) as err:
+                raise AerieError(f"bad override {override!r}: {str(err).splitlines()[0]}") from err
+        data = OmegaConf.to_container(base, resolve=True)
     except OmegaConfBaseException as err:
         raise AerieError(f"{path}: {err}") from err
     try:
