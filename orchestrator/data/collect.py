@@ -26,6 +26,7 @@ from orchestrator.config import StrictModel
 from orchestrator.data.conversations import (
     Conversation,
     LoadReport,
+    first_turns,
     load_chitchat,
     load_messages_jsonl,
     load_mtbench_first_turns,
@@ -49,6 +50,7 @@ from orchestrator.data.synthetic import (
     answer_turns,
     cache_key,
     load_saved_dataset,
+    normalise,
     save_dataset,
     synthesise_prompts,
 )
@@ -70,6 +72,9 @@ class SourceConfig(StrictModel):
     path: str | None = Field(None, description="file for jsonl / sharegpt")
     weight: float = Field(1.0, gt=0, description="share of max_conversations taken from this source")
     synthetic: SyntheticConfig | None = Field(None, description="settings of a synthetic source")
+    max_user_turns: int | None = Field(
+        None, ge=1, description="keep each conversation's first N user turns (regenerating long ones costs most)"
+    )
 
     @model_validator(mode="after")
     def _path(self) -> SourceConfig:
@@ -77,6 +82,8 @@ class SourceConfig(StrictModel):
             raise ValueError(f"a {self.kind} source needs a path")
         if (self.kind == "synthetic") != (self.synthetic is not None):
             raise ValueError("a synthetic source needs synthetic settings (and only it takes them)")
+        if self.kind == "synthetic" and self.max_user_turns is not None:
+            raise ValueError("a synthetic source sets its turns with synthetic.user_turns, not max_user_turns")
         return self
 
 
@@ -155,6 +162,8 @@ def load_conversations(cfg: CollectConfig) -> tuple[list[Conversation], dict]:
             convs = load_sharegpt(source.path, report)
         if cfg.max_conversations is not None:
             convs = convs[: round(cfg.max_conversations * source.weight / total_weight)]
+        if source.max_user_turns is not None:
+            convs = [first_turns(c, source.max_user_turns) for c in convs]
         conversations += convs
         provenance.append(
             {
@@ -171,8 +180,9 @@ def load_conversations(cfg: CollectConfig) -> tuple[list[Conversation], dict]:
 def add_generated(
     cfg: CollectConfig, model_dir: Path, tokenizer, conversations: list[Conversation], provenance: dict
 ) -> list[Conversation]:
-    """Synthetic sources and regeneration, each saved under regenerate.cache_dir and reused when the model
-    and settings match."""
+    """Synthetic sources and regeneration, written `regenerate.chunk_conversations` conversations at a time;
+    each chunk is saved under regenerate.cache_dir and reused when the model and settings match, so a stopped
+    run loses at most the chunk it was writing."""
     synthetic = [s for s in cfg.sources if s.kind == "synthetic"]
     if not synthetic and cfg.regenerate is None:
         return conversations
@@ -180,7 +190,10 @@ def add_generated(
     from orchestrator.engine.vllm_backend import VllmGenerator
 
     regen = cfg.regenerate or RegenerateConfig()
+    size, cache = regen.chunk_conversations, Path(regen.cache_dir)
+    settings = {**regen.cache_settings(), "max_length_tokens": cfg.max_length_tokens}  # it cuts conversations
     model_hash = config_sha256(model_dir)
+    made = {"model": model_dir.name, "config_sha256": model_hash, "regenerate": settings}
     decoder = None
 
     def get_decoder() -> SpecEngine | VllmGenerator:
@@ -198,65 +211,92 @@ def add_generated(
         return decoder
 
     for source in synthetic:
-        path = (
-            Path(regen.cache_dir) / f"synthetic-{cache_key(model_hash, source.model_dump(), regen.model_dump())}.jsonl"
-        )
-        saved = load_saved_dataset(path)
-        if saved is None:
-            began = time.perf_counter()
-            prompts, stats = synthesise_prompts(get_decoder(), tokenizer, source.synthetic)
-            convs = answer_turns(get_decoder(), tokenizer, prompts, regen, source.synthetic, cfg.max_length_tokens)
-            stats["seconds"] = round(time.perf_counter() - began, 1)
-            save_dataset(
-                path,
-                convs,
-                {
-                    "model": model_dir.name,
-                    "config_sha256": model_hash,
-                    "source": source.model_dump(),
-                    "regenerate": regen.model_dump(),
-                    "stats": stats,
-                },
-            )
+        scfg = source.synthetic
+        # A chunk's key leaves the source's total out: a larger corpus reuses the chunks of a smaller one.
+        what = source.model_dump(exclude={"synthetic": {"num_conversations"}})
+        seen: set[str] = set()
+        saved_chunks = []
+        for k in range(-(-scfg.num_conversations // size)):
+            wanted = min(size, scfg.num_conversations - k * size)
+            path = cache / f"synthetic-{cache_key(model_hash, what, settings, k, size, wanted)}.jsonl"
             saved = load_saved_dataset(path)
-        convs, prov = saved
-        conversations += convs
-        provenance["sources"].append({"kind": "synthetic", "dataset": str(path), "used": len(convs), **prov["stats"]})
+            if saved is None:
+                began = time.perf_counter()
+                prompts, stats = synthesise_prompts(get_decoder(), tokenizer, scfg, wanted, k * size, seen)
+                convs = answer_turns(get_decoder(), tokenizer, prompts, regen, scfg, cfg.max_length_tokens)
+                stats["seconds"] = round(time.perf_counter() - began, 1)
+                save_dataset(path, convs, {**made, "source": source.model_dump(), "chunk": k, "stats": stats})
+                saved = load_saved_dataset(path)
+            convs, prov = saved
+            seen.update(normalise(first_user(c)) for c in convs)
+            conversations += convs
+            saved_chunks.append((path, len(convs), prov["stats"]))
+        provenance["sources"].append(
+            {
+                "kind": "synthetic",
+                "datasets": [str(p) for p, _, _ in saved_chunks],
+                "used": sum(n for _, n, _ in saved_chunks),
+                **sum_stats([st for _, _, st in saved_chunks]),
+            }
+        )
     if cfg.regenerate is not None:
         real = [c for c in conversations if not c.source.startswith("synthetic")]
-        ids = cache_key(model_hash, [c.id for c in real], regen.model_dump())
-        path = Path(regen.cache_dir) / f"regenerated-{ids}.jsonl"
-        saved = load_saved_dataset(path)
-        if saved is None:
-            began = time.perf_counter()
-            answered = answer_turns(get_decoder(), tokenizer, real, regen, None, cfg.max_length_tokens)
-            seconds = time.perf_counter() - began
-            tokens = sum(
-                len(tokenizer(m["content"])["input_ids"])
-                for c in answered
-                for m in c.messages
-                if m["role"] == "assistant"
-            )
-            save_dataset(
-                path,
-                answered,
-                {
-                    "model": model_dir.name,
-                    "config_sha256": model_hash,
-                    "regenerate": regen.model_dump(),
-                    "conversations": len(real),
+        answered, saved_chunks = [], []
+        for part in [real[i : i + size] for i in range(0, len(real), size)]:
+            asked = [[c.id, [(m["role"], m["content"]) for m in c.messages if m["role"] != "assistant"]] for c in part]
+            path = cache / f"regenerated-{cache_key(model_hash, asked, settings)}.jsonl"
+            saved = load_saved_dataset(path)
+            if saved is None:
+                began = time.perf_counter()
+                done = answer_turns(get_decoder(), tokenizer, part, regen, None, cfg.max_length_tokens)
+                seconds = time.perf_counter() - began
+                tokens = sum(
+                    len(tokenizer(m["content"])["input_ids"])
+                    for c in done
+                    for m in c.messages
+                    if m["role"] == "assistant"
+                )
+                stats = {
+                    "conversations": len(part),
                     "generated_tokens": tokens,
                     "seconds": round(seconds, 1),
                     "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-                },
-            )
-            saved = load_saved_dataset(path)
-        answered, prov = saved
+                }
+                save_dataset(path, done, {**made, **stats})
+                saved = load_saved_dataset(path)
+            done, prov = saved
+            answered += done
+            saved_chunks.append((path, {k: prov[k] for k in ("conversations", "generated_tokens", "seconds")}))
+        totals = sum_stats([st for _, st in saved_chunks])
         conversations = answered + [c for c in conversations if c.source.startswith("synthetic")]
-        provenance["regenerated"] = {"dataset": str(path), **{k: v for k, v in prov.items() if k != "regenerate"}}
+        provenance["regenerated"] = {
+            "datasets": [str(p) for p, _ in saved_chunks],
+            "model": model_dir.name,
+            "config_sha256": model_hash,
+            **totals,
+            "tokens_per_s": round(totals.get("generated_tokens", 0) / max(totals.get("seconds", 0), 1e-9), 1),
+        }
     if isinstance(decoder, VllmGenerator):
         decoder.close()  # its engine process would compete with the capture workers
     return conversations
+
+
+def first_user(conv: Conversation) -> str:
+    return next(m["content"] for m in conv.messages if m["role"] == "user")
+
+
+def sum_stats(parts: list[dict]) -> dict:
+    """Chunk statistics added up: numbers summed, dictionaries of numbers summed key by key."""
+    total: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict):
+                inner = total.setdefault(key, {})
+                for k, v in value.items():
+                    inner[k] = inner.get(k, 0) + v
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in total.items()}
 
 
 def render_all(cfg: CollectConfig, conversations: list[Conversation], tokenizer) -> dict[str, list[Sequence]]:

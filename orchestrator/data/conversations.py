@@ -28,6 +28,13 @@ class Conversation:
     source: str = ""
 
 
+def first_turns(conv: Conversation, user_turns: int) -> Conversation:
+    """The conversation up to (not including) its user turn number `user_turns + 1`."""
+    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
+    end = users[user_turns] if len(users) > user_turns else len(conv.messages)
+    return Conversation(conv.id, conv.messages[:end], conv.source)
+
+
 @dataclass
 class LoadReport:
     """What a load kept and skipped, with line numbers of malformed records (first 20 kept)."""

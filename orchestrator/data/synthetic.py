@@ -5,7 +5,8 @@ topic-steering system prompt) and let the target write the user's message:
 
     <|im_start|>system\\nThe user asks about math.<|im_end|>\\n<|im_start|>user\\n  ->  "What is the derivative..."
 
-Sampled (T=1.0, top-p 0.95 by default), then filtered (empty, too short, truncated) and de-duplicated.
+Sampled (T=1.0, top-p 0.95 by default), then filtered (empty, too short, truncated, echoes of the steering
+prompt such as "The user asks about math") and de-duplicated.
 Follow-up user turns are written the same way after the answer. Regeneration (self-distillation) replaces
 every assistant turn by the target's own answer, turn by turn, so the drafter learns the distribution it
 will be served against. Results are saved as JSONL with a provenance record and reused when the settings
@@ -66,6 +67,13 @@ class RegenerateConfig(StrictModel):
     vllm_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="vLLM generator precision (the training targets come from the fp32 capture anyway)"
     )
+    chunk_conversations: int = Field(
+        1000, ge=1, description="conversations generated and saved at a time: a stopped run resumes at its last chunk"
+    )
+
+    def cache_settings(self) -> dict:
+        """What decides the generated text (the chunk size decides only where the saved files split)."""
+        return self.model_dump(exclude={"chunk_conversations"})
 
 
 def user_turn_prefix(tokenizer, messages: list[dict]) -> str:
@@ -89,31 +97,48 @@ def _complete(
     return out
 
 
-def _normalise(text: str) -> str:
+def normalise(text: str) -> str:
+    """The form prompts are de-duplicated in: lower case, runs of non-word characters as one space."""
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
+def steering_prompt(topic: str) -> str:
+    return f"The user asks about {topic}."
+
+
+def is_echo(text: str, topic: str) -> bool:
+    """The target repeated its steering prompt instead of writing a user message ("The user asks about math",
+    "User asks about coding: ...")."""
+    said = normalise(text)
+    return "user asks about" in said or said.startswith(normalise(f"about {topic}"))
+
+
 def synthesise_prompts(
-    decoder: SpecEngine | VllmGenerator, tokenizer, cfg: SyntheticConfig
+    decoder: SpecEngine | VllmGenerator,
+    tokenizer,
+    cfg: SyntheticConfig,
+    wanted: int | None = None,
+    first_id: int = 0,
+    seen: set[str] | None = None,
 ) -> tuple[list[Conversation], dict]:
-    """Magpie-style first user turns, balanced over topics; returns conversations and statistics."""
-    wanted = cfg.num_conversations
+    """Magpie-style first user turns, balanced over topics; returns conversations and statistics.
+    A chunked source calls this once per chunk: `wanted` prompts with ids (and seeds) from `first_id`, `seen`
+    holding the normalised prompts of the chunks before (so no chunk repeats another's; updated here)."""
+    wanted = cfg.num_conversations if wanted is None else wanted
     kept: list[Conversation] = []
-    seen: set[str] = set()
+    seen = set() if seen is None else seen
     stats = Counter()
     per_topic = Counter()
     round_ = 0
     while len(kept) < wanted and round_ < 5:
-        batch = [cfg.topics[i % len(cfg.topics)] for i in range(2 * (wanted - len(kept)))]
-        texts = [
-            user_turn_prefix(tokenizer, [{"role": "system", "content": f"The user asks about {t}."}]) for t in batch
-        ]
+        batch = [cfg.topics[(first_id + i) % len(cfg.topics)] for i in range(2 * (wanted - len(kept)))]
+        texts = [user_turn_prefix(tokenizer, [{"role": "system", "content": steering_prompt(t)}]) for t in batch]
         params = [
             SamplingParams(
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
                 max_tokens=cfg.max_prompt_tokens,
-                seed=cfg.seed * 1_000_003 + round_ * 100_003 + i,
+                seed=int(hashlib.sha256(f"{cfg.seed}/{first_id}/{round_}/{i}".encode()).hexdigest()[:8], 16),
             )
             for i in range(len(batch))
         ]
@@ -121,11 +146,13 @@ def synthesise_prompts(
             batch, _complete(decoder, tokenizer, texts, params, f"synthetic prompts, round {round_ + 1}"), strict=True
         ):
             stats["generated"] += 1
-            key = _normalise(text)
+            key = normalise(text)
             if not finished:
                 stats["truncated"] += 1
             elif len(text) < cfg.min_prompt_chars:
                 stats["too_short"] += 1
+            elif is_echo(text, topic):
+                stats["echo"] += 1
             elif key in seen:
                 stats["duplicate"] += 1
             elif len(kept) < wanted:
@@ -133,7 +160,9 @@ def synthesise_prompts(
                 per_topic[topic] += 1
                 kept.append(
                     Conversation(
-                        f"synthetic/{cfg.seed}/{len(kept)}", [{"role": "user", "content": text}], f"synthetic:{topic}"
+                        f"synthetic/{cfg.seed}/{first_id + len(kept)}",
+                        [{"role": "user", "content": text}],
+                        f"synthetic:{topic}",
                     )
                 )
         round_ += 1
@@ -142,6 +171,7 @@ def synthesise_prompts(
         "kept": len(kept),
         "truncated": stats["truncated"],
         "too_short": stats["too_short"],
+        "echoes": stats["echo"],
         "duplicates": stats["duplicate"],
         "per_topic": dict(per_topic),
     }

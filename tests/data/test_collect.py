@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from orchestrator.data.collect import first_user
 from orchestrator.data.conversations import LoadReport, load_chitchat
 from orchestrator.data.shards import read_shard
+from orchestrator.data.synthetic import load_saved_dataset, normalise
 from tests.helpers import ray_cli_env, start_ray_head
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -211,28 +213,40 @@ def test_ray_job_submit_against_a_started_head(config, local_run, tmp_path):
         subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-def test_synthetic_prompts_and_regeneration_are_made_once_and_reused(config, tmp_path):
+def test_synthetic_prompts_and_regeneration_are_made_once_in_chunks_and_resumed(config, tmp_path):
     cache = tmp_path / "datasets"
     overrides = [
         "sources=[{kind: synthetic, synthetic: {num_conversations: 4, user_turns: 2, max_prompt_tokens: 48}},"
-        f" {{kind: jsonl, path: {config.parent / 'data.jsonl'}}}]",
+        f" {{kind: jsonl, path: {config.parent / 'data.jsonl'}, max_user_turns: 2}}]",
         "max_conversations=6",
-        f"regenerate={{max_new_tokens: 12, cache_dir: {cache}}}",
+        f"regenerate={{max_new_tokens: 12, cache_dir: {cache}, chunk_conversations: 2}}",
     ]
     _ok(_collect(config, f"output={tmp_path / 'a'}", *overrides))
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     synthetic = next(s for s in manifest["datasets"]["sources"] if s["kind"] == "synthetic")
     assert synthetic["kept"] == synthetic["used"] == 4 and synthetic["generated"] >= 4
-    assert sum(synthetic["per_topic"].values()) == 4
+    assert sum(synthetic["per_topic"].values()) == 4 and len(synthetic["datasets"]) == 2
     regenerated = manifest["datasets"]["regenerated"]
-    assert regenerated["conversations"] == 3 and regenerated["tokens_per_s"] > 0
-    saved = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
-    rows = [json.loads(line) for line in (cache / Path(regenerated["dataset"]).name).read_text().splitlines()]
+    assert regenerated["conversations"] == 3 and regenerated["tokens_per_s"] > 0 and len(regenerated["datasets"]) == 2
+    rows = [json.loads(line) for p in regenerated["datasets"] for line in Path(p).read_text().splitlines()]
     assert all(m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant")
+    assert all(sum(m["role"] == "user" for m in r["messages"]) <= 2 for r in rows)
 
-    _ok(_collect(config, f"output={tmp_path / 'b'}", *overrides))
-    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == saved, "datasets must be reused"
-    assert (tmp_path / "b" / "manifest.json").read_text() == (tmp_path / "a" / "manifest.json").read_text()
+    # A run stopped while it wrote the first regenerated chunk, rerun asking for a larger synthetic corpus: the
+    # saved chunks are reused, the lost one is written again (the same text: the project's engine is seeded).
+    lost, chunks = Path(regenerated["datasets"][0]), synthetic["datasets"]
+    text = lost.read_text()
+    lost.unlink()
+    kept = {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.suffix == ".jsonl"}
+    larger = [o.replace("num_conversations: 4", "num_conversations: 6") for o in overrides]
+    _ok(_collect(config, f"output={tmp_path / 'b'}", *larger))
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.name in kept} == kept, "chunks must be reused"
+    assert lost.read_text() == text
+    again = json.loads((tmp_path / "b" / "manifest.json").read_text())["datasets"]
+    synthetic = next(s for s in again["sources"] if s["kind"] == "synthetic")
+    assert synthetic["used"] == 6 and synthetic["datasets"][:2] == chunks
+    prompts = [first_user(c) for p in synthetic["datasets"] for c in load_saved_dataset(Path(p))[0]]
+    assert len({normalise(p) for p in prompts}) == 6  # no chunk repeats another's prompt
 
 
 @pytest.mark.vllm
