@@ -20,7 +20,7 @@ VLLM_APP = "orchestrator.serving.vllm_app:build_app"
 LIMITS = {"max_body_bytes": 65536, "max_messages": 8, "max_tokens": 64, "max_stop_chars": 32}
 
 
-def _args(model, **kw) -> dict:
+def _args(model, core: str = "0-1", **kw) -> dict:
     return {
         "model": str(model),
         "served_model_name": "smol",
@@ -29,7 +29,7 @@ def _args(model, **kw) -> dict:
         "kv_cache_gib": 1,
         "max_num_seqs": 16,
         "num_cpus": 1,
-        "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
         "limits": LIMITS,
         **kw,
     }
@@ -48,17 +48,21 @@ def _drafter(smollm2_dir, out, seed: int, variant: str):
 def vllm_apps(serve_session, smollm2_dir, tmp_path_factory):
     """'vl' (router + backend vl-1 with a random-weights EAGLE-3 drafter, via jobs.deploy's code) and 'vl-plain'
     (the same app without speculation, deployed directly). The rollout test moves 'vl' to an EAGLE-3.1 drafter;
-    tests/test_vllm_compat.py runs EAGLE-3.1 through `aerie generate --engine vllm`."""
+    tests/test_vllm_compat.py runs EAGLE-3.1 through `aerie generate --engine vllm`.
+    Each engine has a core of its own: vLLM's OpenMP threads spin while they wait, and two engines on the same
+    two cores slowed a starting one 3x (65 s alone, 183 s beside one serving requests)."""
     from ray import serve
 
-    from orchestrator.serving.rollout import run_rollout, undeploy
+    from orchestrator.serving.rollout import _wait_running, run_rollout, undeploy
     from orchestrator.serving.vllm_app import build_app
 
     tmp = tmp_path_factory.mktemp("vllm-serve")
     d1 = _drafter(smollm2_dir, tmp / "d1", seed=0, variant="eagle3")
-    app = serve_config(tmp / "serve-vllm.yaml", "vl", _args(smollm2_dir, drafter=str(d1)), VLLM_APP)
-    serve.run(build_app(_args(smollm2_dir, speculation=False)), name="vl-plain", route_prefix="/vl-plain")
+    app = serve_config(tmp / "serve-vllm.yaml", "vl", _args(smollm2_dir, "0", drafter=str(d1)), VLLM_APP)
+    plain = build_app(_args(smollm2_dir, "1", speculation=False))
+    serve.run(plain, name="vl-plain", route_prefix="/vl-plain", blocking=False)  # both engines start at once
     run_rollout(deploy_cfg(serve_session, app, "vl", output_dir=str(tmp / "deploy")))
+    _wait_running("vl-plain", 600)
     yield {"spec": f"{serve_session}/vl", "plain": f"{serve_session}/vl-plain", "app": app, "tmp": tmp}
     undeploy("vl")
     if "vl-plain" in serve.status().applications:
@@ -254,7 +258,7 @@ def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2
     from orchestrator.serving.rollout import run_rollout
 
     plain = {q: _greedy(vllm_apps["plain"], q) for q in QUESTIONS[:2]}
-    serve.delete("vl-plain")  # one engine fewer while two run side by side
+    serve.delete("vl-plain")  # its core goes to the candidate
     d2 = _drafter(smollm2_dir, vllm_apps["tmp"] / "d2", seed=1, variant="eagle3.1")
     with StreamingLoad(vllm_apps["spec"], users=3, model="smol") as load:
         time.sleep(3)
@@ -264,6 +268,7 @@ def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2
                 vllm_apps["app"],
                 "vl",
                 drafter=str(d2),
+                app_overrides=['env_vars.VLLM_CPU_OMP_THREADS_BIND="1"'],  # vl-plain's core
                 tolerance=0.5,
                 canary_weight=0.5,
                 window_s=8,
