@@ -41,7 +41,7 @@ def load_config(model: type[T], path: str | Path | None, overrides: list[str] | 
             base = OmegaConf.load(path)
         else:
             base = OmegaConf.create({})
-        bad = [o for o in overrides or [] if "=" not in o]
+        bad = [o for o in overrides or [] if not o.partition("=")[0].strip() or "=" not in o]
         if bad:
             raise AerieError(f"overrides must look like key=value, got {bad}")
         for override in overrides or []:  # one by one: `sources.0.weight=2` reaches into a list

@@ -42,6 +42,7 @@ def test_overrides_reach_into_lists_and_merge_into_mappings(path):
         ("sources.5.kind=chitchat", "bad override 'sources.5.kind=chitchat': list index out of range"),
         ("sources.x.kind=chitchat", "bad override 'sources.x.kind=chitchat'"),
         ("output", "overrides must look like key=value"),
+        ("=5", "overrides must look like key=value"),
         ("sources.1.max_user_turns=0", "sources.1.max_user_turns: Input should be greater than or equal to 1"),
     ],
 )
