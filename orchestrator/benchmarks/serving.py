@@ -190,6 +190,8 @@ def scheduler_delta(before: dict, after: dict) -> dict:
         "acceptance_rate": acceptance.accepted / max(1, acceptance.draft_tokens),
         "target_to_draft_bytes_per_round": d.get("target_to_draft_bytes", 0) / rounds,
         "draft_to_target_bytes_per_round": d.get("draft_to_target_bytes", 0) / rounds,
+        "calibration": after.get("calibration"),  # the budget policy's state when the level ended
+        "cost": after.get("cost"),
     }
     for side in ("draft", "verify"):
         calls = d.get(f"{side}_calls", 0)

@@ -60,6 +60,7 @@ def test_benchmark_job_reports_both_modes(tiny_chat, tiny_drafter, tmp_path):
     spec = result["modes"]["spec"]["1"]["scheduler"]
     assert spec["drafted_share"] > 0.5 and spec["acceptance_length"] >= 1.0  # fixed budgets: rounds draft
     assert result["modes"]["spec"]["1"]["scheduler"]["draft_call_ms"] > 0
+    assert 0.05 <= spec["calibration"] <= 4.0 and spec["cost"]  # the budget policy's state, as /stats has it
     assert set(result["speedup"]) == {"1", "3"} and result["in_process_c1"]["tok_s"] > 0
     for c, ratio in result["speedup"].items():  # interleaved repeats: every request paired with its twin
         level = result["modes"]["spec"][c]
