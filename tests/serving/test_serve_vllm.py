@@ -49,8 +49,8 @@ def vllm_apps(serve_session, smollm2_dir, tmp_path_factory):
     """'vl' (router + backend vl-1 with a random-weights EAGLE-3 drafter, via jobs.deploy's code) and 'vl-plain'
     (the same app without speculation, deployed directly). The rollout test moves 'vl' to an EAGLE-3.1 drafter;
     tests/test_vllm_compat.py runs EAGLE-3.1 through `aerie generate --engine vllm`.
-    Each engine has a core of its own: vLLM's OpenMP threads spin while they wait, and two engines on the same
-    two cores slowed a starting one 3x (65 s alone, 183 s beside one serving requests)."""
+    Each engine has a core of its own (VLLM_CPU_OMP_THREADS_BIND): a starting engine took 65 s alone, 160-183 s
+    beside one serving requests on the same two cores, 136-160 s with a core each (deploy records' events)."""
     from ray import serve
 
     from orchestrator.serving.rollout import _wait_running, run_rollout, undeploy
