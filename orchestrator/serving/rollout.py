@@ -143,12 +143,14 @@ def _wait_running(app: str, timeout_s: float, tick=None) -> None:
 
 
 def _pending() -> set[str]:
-    """Ids of the actors and placement groups the cluster has not been able to place yet."""
+    """Ids of the actors and placement groups the cluster has not been able to place yet. An actor still being
+    created in a worker process of its own (a Pid) is placed: a vLLM replica importing its engine on a busy node
+    stays PENDING_CREATION for minutes, and that is not a placement failure."""
     import ray
 
     actors = ray._private.state.state.actor_table(None)
     groups = ray.util.placement_group_table()
-    return {a for a, v in actors.items() if v.get("State") == "PENDING_CREATION"} | {
+    return {a for a, v in actors.items() if v.get("State") == "PENDING_CREATION" and not v.get("Pid")} | {
         g for g, v in groups.items() if v.get("state") == "PENDING"
     }
 
