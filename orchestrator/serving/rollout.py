@@ -142,17 +142,33 @@ def _wait_running(app: str, timeout_s: float, tick=None) -> None:
         time.sleep(1)
 
 
-def _pending() -> set[str]:
-    """Ids of the actors and placement groups the cluster has not been able to place yet. An actor still being
-    created in a worker process of its own (a Pid) is placed: a vLLM replica importing its engine on a busy node
-    stays PENDING_CREATION for minutes, and that is not a placement failure."""
+def _pending() -> dict[str, str]:
+    """The actors and placement groups not created yet: {id: what it is}. An actor whose constructor runs in a
+    worker process of its own (a Pid) is left out: a vLLM replica importing its engine takes minutes on a busy
+    node."""
     import ray
 
     actors = ray._private.state.state.actor_table(None)
     groups = ray.util.placement_group_table()
-    return {a for a, v in actors.items() if v.get("State") == "PENDING_CREATION" and not v.get("Pid")} | {
-        g for g, v in groups.items() if v.get("state") == "PENDING"
-    }
+    return {
+        a: (v.get("ActorClassName") or "actor").rsplit(".", 1)[-1]
+        for a, v in actors.items()
+        if v.get("State") == "PENDING_CREATION" and not v.get("Pid")
+    } | {g: "placement group" for g, v in groups.items() if v.get("state") == "PENDING"}
+
+
+def _demand_beyond_free() -> list[dict[str, float]]:
+    """The resource shapes the cluster is asked for (actors, tasks, placement-group bundles) that what is free
+    now cannot give. An actor waiting for a worker process (Ray starts a few at a time: Ray Serve LLM's
+    TelemetryAgent waited 3 min behind vLLM's on 2 cores) holds its resources already: it is not here."""
+    import ray
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+    state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
+    shapes = [dict(r.request.resources_bundle) for r in state.pending_resource_requests]
+    shapes += [dict(b.resources_bundle) for g in state.pending_gang_resource_requests for b in g.requests]
+    free = ray.available_resources()
+    return [shape for shape in shapes if shortfall(shape, free)]
 
 
 def _known() -> set[str]:
@@ -254,7 +270,8 @@ class Rollout:
 
     def start_backend(self, app: str, config_app: dict) -> None:
         """Start `app` and wait until it runs. One that the cluster cannot hold at all fails before it starts;
-        one whose workers are still unplaced after `placement_timeout_s` fails then, naming what it lacks."""
+        one whose workers still wait for resources nobody has free after `placement_timeout_s` fails then, naming
+        what it lacks; workers that hold their resources and are still starting are waited for."""
         import ray
         from ray.serve import api as serve_api
 
@@ -278,13 +295,18 @@ class Rollout:
             self.sample()
             if elapsed - last_note[0] >= 15:
                 last_note[0] = elapsed
-                stuck = _pending() - known
-                self.event("backend starting", app=app, seconds=round(elapsed), unplaced=len(stuck))
-            if elapsed >= self.cfg.placement_timeout_s and _pending() - known:
+                stuck = _pending().keys() - known
+                self.event("backend starting", app=app, seconds=round(elapsed), not_created=len(stuck))
+            if elapsed < self.cfg.placement_timeout_s:
+                return
+            unplaced = {k: v for k, v in _pending().items() if k not in known}
+            if unplaced and (lacking := _demand_beyond_free()):
                 free_now = ray.available_resources()
                 raise AerieError(
                     f"backend {app} could not be placed within {self.cfg.placement_timeout_s:g} s: its workers need "
-                    f"{_fmt(needs)}, the cluster has {_fmt(free_now)} free of {_fmt(ray.cluster_resources())}: "
+                    f"{_fmt(needs)} ({', '.join(sorted(set(unplaced.values())))} waiting for "
+                    f"{', '.join(_fmt(x) for x in lacking)}), the cluster has "
+                    f"{_fmt(free_now)} free of {_fmt(ray.cluster_resources())}: "
                     "free resources (lower target.num_cpus / draft.num_cpus, stop a backend) or add nodes, or "
                     "raise placement_timeout_s where nodes are added on demand"
                 )
