@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import API_KEY, random_drafter, write_tiny_llama
+from tests.helpers import API_KEY, QUESTIONS, random_drafter, vllm_generate, write_tiny_llama
 
 os.environ["AERIE_API_KEY"] = API_KEY  # before any Ray starts: its workers (the servers) inherit it
 os.environ.pop("AERIE_API_KEY_FILE", None)
@@ -83,6 +83,26 @@ def chat_prompts(smollm2_tokenizer) -> list[list[int]]:
     from orchestrator.data.prompts import PromptItem, encode_prompt, mtbench_first_turns
 
     return [encode_prompt(smollm2_tokenizer, PromptItem(0, messages=r["messages"])) for r in mtbench_first_turns(8)]
+
+
+@pytest.fixture(scope="session")
+def vllm_greedy(smollm2_dir, tmp_path_factory) -> dict:
+    """vLLM's greedy answers without speculation (`aerie generate --engine vllm`, 32 tokens, float32 on the CPU)
+    to three MT-Bench first turns and the serving tests' first four questions: one engine start for every test
+    that compares speculation in vLLM (offline or served) with vLLM alone. {"prompts": JSONL path, "rows": the
+    rows in prompt order, "text": {question: answer} for the serving questions}."""
+    from orchestrator.data.prompts import mtbench_first_turns
+
+    tmp = tmp_path_factory.mktemp("vllm-greedy")
+    chats = [r["messages"] for r in mtbench_first_turns(3)] + [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    rows = vllm_generate(smollm2_dir, prompts, tmp / "plain.jsonl")
+    return {
+        "prompts": prompts,
+        "rows": rows,
+        "text": {q: r["text"] for q, r in zip(QUESTIONS[:4], rows[3:], strict=True)},
+    }
 
 
 @pytest.fixture(scope="session")

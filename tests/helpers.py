@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -31,6 +32,17 @@ TINY_LLAMA = {
     "eos_token_id": 2,
 }
 
+
+QUESTIONS = [  # the serving tests' chat questions
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a child.",
+    "List three uses of copper.",
+    "How do I boil an egg?",
+    "Tell me a joke about cats.",
+    "Why is the sky blue?",
+    "Summarise the plot of Hamlet.",
+]
 
 # The servers under test take this key (tests/conftest.py puts it in the environment before Ray starts).
 API_KEY = "aerie-test-key-0123456789abcdef"
@@ -90,7 +102,7 @@ def ray_cli_env() -> dict:
 
 
 def start_ray_head(env: dict, gcs_port: int, dashboard_port: int, num_cpus: int = 2, resources: dict | None = None):
-    """`ray start --head` on loopback (stop it with `ray stop --force`)."""
+    """`ray start --head` on loopback (stop it, and only it, with `stop_ray_cluster(gcs_port)`)."""
     cmd = [
         str(RAY_BIN),
         "start",
@@ -108,6 +120,35 @@ def start_ray_head(env: dict, gcs_port: int, dashboard_port: int, num_cpus: int 
     assert started.returncode == 0, started.stderr[-2000:]
 
 
+def stop_ray_cluster(gcs_port: int, timeout_s: float = 30) -> None:
+    """Stop every process of the Ray cluster whose GCS listens on `gcs_port` (its nodes, dashboard, workers and
+    their children), and nothing else: `ray stop --force` would also end every other Ray on the machine, a
+    developer's `aerie serve` or this test session's own cluster."""
+    import psutil
+
+    marks = (f":{gcs_port} ", f"={gcs_port} ")
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or ()) + " "
+        if proc.pid != os.getpid() and any(m in line for m in marks):
+            found[proc.pid] = proc
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found |= {c.pid: c for c in proc.children(recursive=True)}
+    for proc in found.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(list(found.values()), timeout=timeout_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    # `ray start` noted this cluster as the machine's latest: a plain `ray.init()` would try to join it (as
+    # `ray stop` does, forget it)
+    from ray._private.utils import get_ray_address_file, read_ray_address
+
+    if (read_ray_address() or "").endswith(f":{gcs_port}"):
+        Path(get_ray_address_file(None)).unlink(missing_ok=True)
+
+
 def draft_two_steps(drafter: Drafter, embedding: torch.nn.Embedding | None = None, seed: int = 0):
     """Two drafting steps (aux -> fc, then the drafter's own state) for a ragged batch of 2 sequences; a drafter
     that shares the target's embedding gets `embedding`. Returns the two DraftOutputs."""
@@ -121,3 +162,16 @@ def draft_two_steps(drafter: Drafter, embedding: torch.nn.Embedding | None = Non
         first = drafter(tokens, drafter.combine_aux(aux), cache, slots, torch.tensor([4, 3]))
         second = drafter(tokens[[3, 6]], first.next_hidden[[3, 6]], cache, slots, torch.tensor([1, 1]))
     return first, second
+
+
+def vllm_generate(model_dir: Path, prompts: Path, out: Path, drafter: Path | None = None) -> list[dict]:
+    """`aerie generate --engine vllm` (greedy, 32 tokens, 3 speculative tokens with a drafter): its rows."""
+    args = ["generate", "--engine", "vllm", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out)]
+    args += ["--max-tokens", "32", "--num-spec-tokens", "3"]
+    if drafter is not None:
+        args += ["--drafter", str(drafter)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]

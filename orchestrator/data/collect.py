@@ -448,18 +448,19 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
     if cfg.max_new_shards is not None:
         pending = pending[: cfg.max_new_shards]
     log.info("%d shards planned, %d verified and reused, %d to capture", len(plans), reused, len(pending))
-    workers = start_capture_workers(cfg, model_dir, aux, min(cfg.num_workers, max(1, len(pending))))
     began, tokens, peaks = time.perf_counter(), 0, []
-    bar = tqdm(total=sum(p.num_tokens for p in pending), desc="capture", unit="tok", unit_scale=True)
-    for record, stats in ActorPool(workers).map_unordered(lambda w, p: w.capture.remote(p), pending):
-        records[record["name"]] = record
-        tokens += record["num_tokens"]
-        peaks.append(stats["peak_rss_mib"])
-        bar.update(record["num_tokens"])
-    bar.close()
+    if pending:  # nothing to capture (every shard reused, or max_new_shards=0): no Ray, no workers
+        workers = start_capture_workers(cfg, model_dir, aux, min(cfg.num_workers, len(pending)))
+        bar = tqdm(total=sum(p.num_tokens for p in pending), desc="capture", unit="tok", unit_scale=True)
+        for record, stats in ActorPool(workers).map_unordered(lambda w, p: w.capture.remote(p), pending):
+            records[record["name"]] = record
+            tokens += record["num_tokens"]
+            peaks.append(stats["peak_rss_mib"])
+            bar.update(record["num_tokens"])
+        bar.close()
+        for w in workers:
+            ray.kill(w)
     elapsed = time.perf_counter() - began
-    for w in workers:
-        ray.kill(w)
 
     complete = len(records) == len(plans)
     manifest = None

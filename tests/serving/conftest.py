@@ -9,17 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import QUESTIONS
+
 REPO = Path(__file__).resolve().parents[2]
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain recursion to a child.",
-    "List three uses of copper.",
-    "How do I boil an egg?",
-    "Tell me a joke about cats.",
-    "Why is the sky blue?",
-    "Summarise the plot of Hamlet.",
-]
 
 
 def free_port() -> int:

@@ -21,8 +21,8 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, AUTH
-from tests.serving.conftest import QUESTIONS, app_args, deploy
+from tests.helpers import API_KEY, AUTH, QUESTIONS
+from tests.serving.conftest import app_args, deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MAX_BATCH, TOKENS = 8, 24

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, AUTH
-from tests.serving.conftest import QUESTIONS, app_args
+from tests.helpers import API_KEY, AUTH, QUESTIONS
+from tests.serving.conftest import app_args
 from tests.serving.test_rollout import StreamingLoad, deploy_cfg, serve_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
@@ -45,28 +45,20 @@ def _drafter(smollm2_dir, out, seed: int, variant: str):
 
 
 @pytest.fixture(scope="module")
-def vllm_apps(serve_session, smollm2_dir, tmp_path_factory):
-    """'vl' (router + backend vl-1 with a random-weights EAGLE-3 drafter, via jobs.deploy's code) and 'vl-plain'
-    (the same app without speculation, deployed directly). The rollout test moves 'vl' to an EAGLE-3.1 drafter;
-    tests/test_vllm_compat.py runs EAGLE-3.1 through `aerie generate --engine vllm`.
-    Each engine has a core of its own (VLLM_CPU_OMP_THREADS_BIND): a starting engine took 65 s alone, 160-183 s
-    beside one serving requests on the same two cores, 136-160 s with a core each (deploy records' events)."""
-    from ray import serve
-
-    from orchestrator.serving.rollout import _wait_running, run_rollout, undeploy
-    from orchestrator.serving.vllm_app import build_app
+def vllm_apps(serve_session, smollm2_dir, vllm_greedy, tmp_path_factory):
+    """'vl': router + backend vl-1 with a random-weights EAGLE-3 drafter, deployed by jobs.deploy's code, its
+    engine on core 0 (the rollout test starts the candidate's on core 1: a starting engine took 65 s alone,
+    160-183 s beside one serving requests on the same two cores, 136-160 s with a core each). vLLM's greedy
+    text without speculation comes from the session's `vllm_greedy` run; the rollout test moves 'vl' to an
+    EAGLE-3.1 drafter; tests/test_vllm_compat.py runs EAGLE-3.1 through `aerie generate --engine vllm`."""
+    from orchestrator.serving.rollout import run_rollout, undeploy
 
     tmp = tmp_path_factory.mktemp("vllm-serve")
     d1 = _drafter(smollm2_dir, tmp / "d1", seed=0, variant="eagle3")
     app = serve_config(tmp / "serve-vllm.yaml", "vl", _args(smollm2_dir, "0", drafter=str(d1)), VLLM_APP)
-    plain = build_app(_args(smollm2_dir, "1", speculation=False))
-    serve.run(plain, name="vl-plain", route_prefix="/vl-plain", blocking=False)  # both engines start at once
     run_rollout(deploy_cfg(serve_session, app, "vl", output_dir=str(tmp / "deploy")))
-    _wait_running("vl-plain", 600)
-    yield {"spec": f"{serve_session}/vl", "plain": f"{serve_session}/vl-plain", "app": app, "tmp": tmp}
+    yield {"spec": f"{serve_session}/vl", "plain": vllm_greedy["text"], "app": app, "tmp": tmp}
     undeploy("vl")
-    if "vl-plain" in serve.status().applications:
-        serve.delete("vl-plain")
 
 
 def _greedy(url: str, question: str) -> str:
@@ -81,7 +73,7 @@ def test_greedy_text_with_the_drafter_equals_the_text_without(vllm_apps):
 
     before = vllm_counters("vl-1")
     for q in QUESTIONS[:4]:
-        assert _greedy(vllm_apps["spec"], q) == _greedy(vllm_apps["plain"], q)
+        assert _greedy(vllm_apps["spec"], q) == vllm_apps["plain"][q]
     deadline = time.monotonic() + 30  # Ray exports the engine's counters every second
     while vllm_counters("vl-1").drafts <= before.drafts and time.monotonic() < deadline:
         time.sleep(1)
@@ -98,7 +90,7 @@ def test_sampling_with_the_drafter_uses_the_requests_temperature(vllm_apps):
             r = httpx.post(f"{vllm_apps['spec']}/v1/chat/completions", json=body | extra, timeout=300, headers=AUTH)
             assert r.status_code == 200, r.text
             text = r.json()["choices"][0]["message"]["content"]
-            assert _greedy(vllm_apps["plain"], q).startswith(text), (extra, text)
+            assert vllm_apps["plain"][q].startswith(text), (extra, text)
 
 
 def test_openai_client_streaming_and_not(vllm_apps):
@@ -108,10 +100,7 @@ def test_openai_client_streaming_and_not(vllm_apps):
     assert [m.id for m in client.models.list().data] == ["smol"]
     messages = [{"role": "user", "content": QUESTIONS[0]}]
     full = client.chat.completions.create(model="smol", messages=messages, max_tokens=24, temperature=0)
-    assert (
-        full.choices[0].message.content
-        == _greedy(vllm_apps["plain"], QUESTIONS[0])[: len(full.choices[0].message.content)]
-    )
+    assert full.choices[0].message.content == vllm_apps["plain"][QUESTIONS[0]][: len(full.choices[0].message.content)]
     assert full.usage.completion_tokens > 0
     stream = client.chat.completions.create(
         model="smol",
@@ -257,8 +246,7 @@ def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2
 
     from orchestrator.serving.rollout import run_rollout
 
-    plain = {q: _greedy(vllm_apps["plain"], q) for q in QUESTIONS[:2]}
-    serve.delete("vl-plain")  # its core goes to the candidate
+    plain = {q: vllm_apps["plain"][q] for q in QUESTIONS[:2]}
     d2 = _drafter(smollm2_dir, vllm_apps["tmp"] / "d2", seed=1, variant="eagle3.1")
     with StreamingLoad(vllm_apps["spec"], users=3, model="smol") as load:
         time.sleep(3)
@@ -268,7 +256,7 @@ def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2
                 vllm_apps["app"],
                 "vl",
                 drafter=str(d2),
-                app_overrides=['env_vars.VLLM_CPU_OMP_THREADS_BIND="1"'],  # vl-plain's core
+                app_overrides=['env_vars.VLLM_CPU_OMP_THREADS_BIND="1"'],  # the core vl-1 leaves free
                 tolerance=0.5,
                 canary_weight=0.5,
                 window_s=8,

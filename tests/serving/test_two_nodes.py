@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import AUTH, ray_cli_env, start_ray_head
+from tests.helpers import AUTH, ray_cli_env, start_ray_head, stop_ray_cluster
 from tests.serving.conftest import app_args, free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -30,7 +30,7 @@ def test_draft_worker_on_the_draft_node(tiny_chat, tiny_drafter, references, tmp
     import ray
     from ray import serve
 
-    if ray.is_initialized():  # this test needs its own cluster (and `ray stop` ends every local Ray)
+    if ray.is_initialized():  # this test needs its own cluster, its driver outside any other
         serve.shutdown()
         ray.shutdown()
     env = ray_cli_env()
@@ -108,4 +108,4 @@ def test_draft_worker_on_the_draft_node(tiny_chat, tiny_drafter, references, tmp
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_ray_cluster(gcs)

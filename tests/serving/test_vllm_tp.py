@@ -16,8 +16,7 @@ from pydantic import ValidationError
 
 from orchestrator.errors import AerieError
 from orchestrator.serving.vllm_app import VllmServeConfig, llm_config
-from tests.helpers import AUTH
-from tests.serving.conftest import QUESTIONS
+from tests.helpers import AUTH, QUESTIONS
 
 RUN_TP = os.environ.get("AERIE_TEST_VLLM_TP") == "1"
 needs_tp_engines = pytest.mark.skipif(
