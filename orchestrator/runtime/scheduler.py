@@ -501,16 +501,19 @@ class SpecScheduler:
             self.metrics.slots(self.free_slots, self.cfg.max_batch)
 
     async def refresh_slots(self, timeout_s: float = 10.0) -> dict:
-        """Ask both workers for their free KV slots now; returns each worker's `ready` answer (or the error)."""
-        answers = {}
-        for name, worker in (("target", self.target), ("draft", self.draft if self.draft_alive else None)):
-            if worker is None:
-                continue
+        """Ask both workers at once for their free KV slots; returns each worker's `ready` answer (or the error)
+        within `timeout_s` (a worker busy with queued rounds answers late: its last known count stays)."""
+
+        async def ask(name: str, worker) -> tuple[str, dict]:
             try:
-                answers[name] = await asyncio.wait_for(worker.call("ready"), timeout_s)
-                self.free_slots[name] = answers[name]["free_slots"]
+                answer = await asyncio.wait_for(worker.call("ready"), timeout_s)
+                self.free_slots[name] = answer["free_slots"]
+                return name, answer
             except (WorkerLost, WorkerFailed, TimeoutError) as err:
-                answers[name] = {"error": str(err)}
+                return name, {"error": str(err) or type(err).__name__}
+
+        workers = {"target": self.target, "draft": self.draft if self.draft_alive else None}
+        answers = dict(await asyncio.gather(*(ask(n, w) for n, w in workers.items() if w is not None)))
         self._gauges()
         return answers
 

@@ -322,8 +322,11 @@ class SpecServer:
 
     @api.get("/stats")
     async def stats(self, trace: bool = False):
-        await self.scheduler.refresh_slots()
+        # A monitoring read (the rollout polls it): a worker busy with queued rounds does not hold it up, its
+        # last known slot count is shown and `slots_stale` names it.
+        answers = await self.scheduler.refresh_slots(timeout_s=2.0)
         out = self.scheduler.stats()
+        out["slots_stale"] = sorted(name for name, answer in answers.items() if "error" in answer)
         if trace:
             out["trace"] = list(self.scheduler.trace)
         return out

@@ -467,7 +467,16 @@ def _watch(ro: Rollout, cfg: DeployConfig, before: dict, paths: dict) -> dict[st
         elapsed = time.monotonic() - start
         if elapsed < cfg.window_s:
             continue
-        now = {app: ro.counters(app, path) - before[app] for app, path in paths.items()}
+        try:
+            now = {app: ro.counters(app, path) - before[app] for app, path in paths.items()}
+        except OSError as err:  # a read that timed out under load: the counters are cumulative, read them again
+            if elapsed >= cfg.max_window_s:
+                raise AerieError(
+                    f"the backends' acceptance counters could not be read within max_window_s "
+                    f"({cfg.max_window_s:g} s): {err!r}"
+                ) from err
+            ro.event("counters unreadable; read again at the next poll", error=repr(err)[:300])
+            continue
         ro.event("watch", **{app: a.summary() for app, a in now.items()})
         if all(a.drafts >= cfg.min_drafts for a in now.values()) or elapsed >= cfg.max_window_s:
             return now

@@ -300,3 +300,36 @@ def test_health_says_why_the_target_cannot_admit_work():
 
     with pytest.raises(AssertionError, match="a scheduler loop ended"):
         run(h, body)
+
+
+def test_slots_are_asked_of_both_workers_at_once_and_a_late_one_keeps_its_last_count():
+    """`/stats` (the rollout polls it) asks both workers together: the target here answers only once the draft
+    worker has been asked. A worker that does not answer in time keeps its last known count and reports why."""
+    h = build(max_batch=2)
+    draft_asked = asyncio.Event()
+    target_call, draft_call = h.target.call, h.draft.call
+
+    async def target(method, *args, **kw):
+        if method == "ready":
+            await draft_asked.wait()
+        return await target_call(method, *args, **kw)
+
+    async def draft(method, *args, **kw):
+        if method == "ready":
+            draft_asked.set()
+            if hangs["draft"]:
+                await asyncio.Event().wait()
+        return await draft_call(method, *args, **kw)
+
+    h.target.call, h.draft.call, hangs = target, draft, {"draft": False}
+
+    async def body(h):
+        answers = await h.scheduler.refresh_slots(timeout_s=30)
+        assert answers["target"]["free_slots"] == answers["draft"]["free_slots"] == 2
+        hangs["draft"] = True
+        h.scheduler.free_slots["draft"] = 1  # a count from before
+        answers = await h.scheduler.refresh_slots(timeout_s=0.05)
+        assert answers["target"]["free_slots"] == 2 and answers["draft"] == {"error": "TimeoutError"}
+        assert h.scheduler.free_slots == {"target": 2, "draft": 1}
+
+    run(h, body)

@@ -98,6 +98,7 @@ def _report(what: str, before: dict, after: dict, seconds: float) -> None:
 
 def _slots_free(url: str) -> dict:
     stats = httpx.get(f"{url}/stats", timeout=60, headers=AUTH).json()
+    assert stats["slots_stale"] == [], "a worker did not answer within /stats' 2 s: these are old counts"
     return {side: (s["free"], s["total"]) for side, s in stats["kv_slots"].items()} | {"waiting": stats["waiting"]}
 
 
