@@ -45,11 +45,12 @@ def reference(target, prompts):
 
 
 def test_target_only_equals_transformers_generate(smollm2_dir, prompts, reference):
-    """transformers stops at EOS (min_new_tokens would instead forbid it): compare up to the first EOS."""
+    """Every third prompt (lengths ~35 to ~190 tokens, padded in the engine's batch of 8): transformers stops at
+    EOS (min_new_tokens would instead forbid it), so compare up to the first EOS."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    for prompt, expected in zip(prompts, reference, strict=True):
+    for prompt, expected in list(zip(prompts, reference, strict=True))[::3]:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(prompt) :]
         until_eos = expected[: expected.index(2) + 1] if 2 in expected else expected
         assert out.tolist() == until_eos

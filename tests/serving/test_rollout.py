@@ -100,46 +100,6 @@ def _random_drafter(tiny_chat: Path, out: Path, seed: int) -> Path:
     return save_drafter(random_drafter(hf, draft_vocab_size=2048, seed=seed), out)
 
 
-def test_a_random_drafter_is_rolled_back_by_the_acceptance_gate(serve_session, tiny_chat, references, tmp_path):
-    from ray import serve
-
-    from orchestrator.serving.rollout import run_rollout, undeploy
-
-    # Stable: drafts right to a random depth (acceptance ~2.5); candidate: a drafter with random weights (~1).
-    args = app_args(
-        tiny_chat,
-        proposer_factory="tests.helpers:ReplayProposer",
-        proposer_args={"references": references["path"], "depth": 4},
-        spec={"method": "chain", "num_spec_tokens": 4},
-        scheduler={"adaptive": False},
-    )
-    app = serve_config(tmp_path / "serve.yaml", "back", args)
-    run_rollout(deploy_cfg(serve_session, app, "back", output_dir=str(tmp_path / "deploy")))
-    bad = _random_drafter(tiny_chat, tmp_path / "bad", seed=7)
-    with StreamingLoad(f"{serve_session}/back") as load:
-        time.sleep(3)
-        record = run_rollout(
-            deploy_cfg(
-                serve_session,
-                app,
-                "back",
-                drafter=str(bad),
-                app_overrides=["proposer_factory=null"],
-                output_dir=str(tmp_path / "deploy"),
-            )
-        )
-        time.sleep(2)
-    print(json.dumps({k: record[k] for k in ("decision", "acceptance", "reason")}, indent=1))
-    assert record["decision"] == "rolled back" and record["app"] == "back-1"
-    acceptance = record["acceptance"]
-    assert acceptance["back-1"]["acceptance_length"] > acceptance["back-2"]["acceptance_length"] + 0.5
-    assert len(load.results) >= 20 and load.failures() == []
-    assert "back-2" not in serve.status().applications
-    status = httpx.get(f"{serve_session}/back/router/status", headers=AUTH).json()
-    assert [r["app"] for r in status["routes"]] == ["back-1"]
-    undeploy("back")
-
-
 class ClientLoad:
     """`users` threads sending non-streaming chat requests with the official openai client (which retries a
     connection error or a 5xx twice, as every user of it gets), until stopped."""
@@ -181,13 +141,26 @@ class ClientLoad:
         return [r for r in self.results if not r["ok"]]
 
 
+# Candidates drafting with their own drafter (the stable backend's replay proposer left out)
+NO_REPLAY = "proposer_factory=null"
+
+
 @pytest.fixture(scope="module")
-def durable(serve_session, tiny_chat, tiny_drafter, tmp_path_factory):
-    """Application 'dur' served by jobs.deploy's code (router with two replicas, backend dur-1)."""
+def durable(serve_session, tiny_chat, tiny_drafter, references, tmp_path_factory):
+    """Application 'dur' served by jobs.deploy's code (router with two replicas, backend dur-1) whose proposer
+    drafts the greedy reference right to a random depth (acceptance ~2.5 for QUESTIONS)."""
     from orchestrator.serving.rollout import run_rollout, undeploy
 
     tmp = tmp_path_factory.mktemp("durable")
-    app = serve_config(tmp / "serve.yaml", "dur", app_args(tiny_chat, drafter=str(tiny_drafter)))
+    args = app_args(
+        tiny_chat,
+        drafter=str(tiny_drafter),
+        proposer_factory="tests.helpers:ReplayProposer",
+        proposer_args={"references": references["path"], "depth": 4},
+        spec={"method": "chain", "num_spec_tokens": 4},
+        scheduler={"adaptive": False},
+    )
+    app = serve_config(tmp / "serve.yaml", "dur", args)
     first = run_rollout(deploy_cfg(serve_session, app, "dur", output_dir=str(tmp / "deploy")))
     assert first["decision"] == "initial" and first["app"] == "dur-1"
     yield app, tmp
@@ -209,6 +182,33 @@ def _when_canary_takes_traffic(name: str, then, timeout_s: float = 600) -> threa
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+def test_a_random_drafter_is_rolled_back_by_the_acceptance_gate(durable, tiny_chat, serve_session):
+    """The stable backend drafts right to a random depth (acceptance ~2.5), the candidate has a drafter with
+    random weights (~1): rolled back under streaming load, no request fails, the stable one keeps every route."""
+    from ray import serve
+
+    from orchestrator.serving.rollout import run_rollout
+    from orchestrator.serving.router import stored_routes
+
+    app, tmp = durable
+    stable = [r["app"] for r in stored_routes("dur")["routes"]]
+    bad = _random_drafter(tiny_chat, tmp / "bad", seed=7)
+    with StreamingLoad(f"{serve_session}/dur") as load:
+        time.sleep(3)
+        cfg = deploy_cfg(serve_session, app, "dur", drafter=str(bad), app_overrides=[NO_REPLAY], output_dir=str(tmp))
+        record = run_rollout(cfg)
+        time.sleep(2)
+    print(json.dumps({k: record[k] for k in ("decision", "acceptance", "reason")}, indent=1))
+    canary = f"dur-{int(stable[0].rsplit('-', 1)[1]) + 1}"
+    assert record["decision"] == "rolled back" and record["app"] == stable[0]
+    acceptance = record["acceptance"]
+    assert acceptance[stable[0]]["acceptance_length"] > acceptance[canary]["acceptance_length"] + 0.5
+    assert len(load.results) >= 20 and load.failures() == []
+    assert canary not in serve.status().applications
+    status = httpx.get(f"{serve_session}/dur/router/status", headers=AUTH).json()
+    assert [r["app"] for r in status["routes"]] == stable
 
 
 def test_rollout_promotes_under_load_through_the_death_of_the_route_table_and_a_router_replica(
@@ -238,7 +238,16 @@ def test_rollout_promotes_under_load_through_the_death_of_the_route_table_and_a_
 
     version_before = stored_routes("dur")["version"]
     v2 = _random_drafter(tiny_chat, tmp / "v2", seed=1)
-    cfg = deploy_cfg(serve_session, app, "dur", drafter=str(v2), tolerance=5.0, window_s=6, output_dir=str(tmp / "d"))
+    cfg = deploy_cfg(
+        serve_session,
+        app,
+        "dur",
+        drafter=str(v2),
+        app_overrides=[NO_REPLAY],
+        tolerance=5.0,
+        window_s=6,
+        output_dir=str(tmp / "d"),
+    )
     url = f"{serve_session}/dur"
     with StreamingLoad(url, users=2) as streams, ClientLoad(url, users=2) as load:
         time.sleep(2)

