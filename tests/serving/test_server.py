@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def apps(serve_session, tiny_chat, tiny_drafter, references):
-    """chain and tree apps with the replay proposer (acceptance 0..all), one with the real EAGLE drafter, and
-    a target-only one."""
+    """chain and tree apps with the replay proposer (acceptance 0..all), two replicas with the real EAGLE
+    drafter ("dp", also the "eagle" case), a target-only one and one with a 0.5 s request deadline."""
     replay = {"proposer_factory": "tests.helpers:ReplayProposer"}
     urls = {
         "chain": deploy(
@@ -46,14 +46,13 @@ def apps(serve_session, tiny_chat, tiny_drafter, references):
             ),
             serve_session,
         ),
-        "eagle": deploy("eagle", app_args(tiny_chat, drafter=str(tiny_drafter)), serve_session),
         "plain": deploy("plain", app_args(tiny_chat, speculation=False), serve_session),
         "dp": deploy("dp", app_args(tiny_chat, drafter=str(tiny_drafter), num_replicas=2), serve_session),
         "deadline": deploy(
             "deadline", app_args(tiny_chat, speculation=False, scheduler={"request_timeout_s": 0.5}), serve_session
         ),
     }
-    yield urls
+    yield urls | {"eagle": urls["dp"]}
     from ray import serve
 
     for name in urls:  # free their workers for the modules that follow

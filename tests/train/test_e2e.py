@@ -5,6 +5,7 @@ training from and to S3; and clear errors before training."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -117,6 +118,16 @@ def _stage(root: Path, key: str) -> dict:
     return json.loads((root / "pipeline" / "state.json").read_text())[key]
 
 
+def _committed_checkpoint(storage: Path) -> bool:
+    """Ray Train has recorded a checkpoint (its manager's snapshot names one): a rerun resumes from it. A
+    `checkpoint_*` directory alone is not enough: killed before the snapshot is written, the rerun starts over."""
+    for snapshot in storage.glob("*/checkpoint_manager_snapshot.json"):
+        with contextlib.suppress(json.JSONDecodeError, OSError):
+            if json.loads(snapshot.read_text()).get("latest_checkpoint_result"):
+                return True
+    return False
+
+
 @pytest.fixture(scope="module")
 def trained(root) -> dict:
     """Start the pipeline, SIGKILL the whole job once training has a checkpoint, then rerun it to the end."""
@@ -128,7 +139,7 @@ def trained(root) -> dict:
         start_new_session=True,
     )
     deadline = time.monotonic() + 600
-    while not list((root / "ckpt").glob("*/checkpoint_*")):
+    while not _committed_checkpoint(root / "ckpt"):
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.2)
