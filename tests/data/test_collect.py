@@ -77,6 +77,7 @@ def test_manifest_and_counts(local_run):
     manifest = json.loads((local_run / "manifest.json").read_text())
     result = json.loads((local_run / "result.json").read_text())
     assert manifest["aux_layer_ids"] == [2, 15, 27] and manifest["dtype"] == "bfloat16"
+    assert manifest["compute_dtype"] == "auto"  # fp32 on the CPU: the states are compared with transformers' below
     (source,) = manifest["datasets"]["sources"]
     assert source["malformed"] == 1 and source["malformed_lines"] == ["data.jsonl:4"]
     assert source["skipped_no_assistant"] == 1 and source["used"] == 10
