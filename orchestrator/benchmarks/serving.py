@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import Field
 
 from orchestrator.config import StrictModel
+from orchestrator.errors import AerieError
 from orchestrator.serving.launch import backend_of, read_serve_config
 from orchestrator.spec.acceptance import Acceptance
 
@@ -316,8 +317,6 @@ def overhead_breakdown(level: dict, in_process: dict) -> dict:
 def load_prompts(source: str, n: int) -> list[dict]:
     """MT-Bench first turns as chat messages, or a collection's held-out conversations up to their first
     assistant token (token ids, rendered as collected: the drafter's own domain)."""
-    from orchestrator.errors import AerieError
-
     if source == "mtbench":
         from orchestrator.data.prompts import mtbench_first_turns
 
@@ -342,6 +341,11 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
 
     _, app = read_serve_config(cfg.app, cfg.app_overrides)
     args = app["args"]
+    if backend_of(app["import_path"]) == "disaggregated" and args.get("num_replicas", 1) > 1:
+        raise AerieError(
+            f"the serving benchmark reads one replica's scheduler (its /stats: rounds, costs, the timeline), and "
+            f"{cfg.app} serves {args['num_replicas']} replicas: set app_overrides=[num_replicas=1]"
+        )
     backends = [("", app)]
     if cfg.vllm_app:  # the same drafter as the disaggregated app unless overridden
         same = [f"drafter={args['drafter']}"] if args.get("drafter") else []

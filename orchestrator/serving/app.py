@@ -326,6 +326,7 @@ class SpecServer:
         # last known slot count is shown and `slots_stale` names it.
         answers = await self.scheduler.refresh_slots(timeout_s=2.0)
         out = self.scheduler.stats()
+        out["replica"] = serve.get_replica_context().replica_id.unique_id  # these totals are this replica's
         out["slots_stale"] = sorted(name for name, answer in answers.items() if "error" in answer)
         if trace:
             out["trace"] = list(self.scheduler.trace)

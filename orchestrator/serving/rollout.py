@@ -82,9 +82,11 @@ def _get_json(url: str, timeout: float = 10) -> dict:
         return json.loads(r.read())
 
 
-def stats_counters(base: str) -> Acceptance:
-    """A disaggregated backend's acceptance counters, from its /stats."""
-    return Acceptance.from_dict(_get_json(f"{base}/stats")["acceptance"])
+def stats_counters(base: str) -> dict[str, Acceptance]:
+    """A disaggregated backend's acceptance counters from its /stats: {replica id: counters} of the one replica
+    that answered (Serve picks one per request; `CounterWindow` keeps each replica's series)."""
+    stats = _get_json(f"{base}/stats")
+    return {stats.get("replica", ""): Acceptance.from_dict(stats["acceptance"])}
 
 
 _VLLM = {
@@ -96,12 +98,17 @@ _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)"
 
 
 def vllm_counters(app: str) -> Acceptance:
-    """vLLM's acceptance counters summed over the engines of Serve application `app`, from the Prometheus
+    """vLLM's acceptance counters summed over the engines of Serve application `app`."""
+    return sum(vllm_counters_by_replica(app).values(), Acceptance())
+
+
+def vllm_counters_by_replica(app: str) -> dict[str, Acceptance]:
+    """vLLM's acceptance counters of every engine of Serve application `app` by replica id, from the Prometheus
     endpoint of every Ray node (samples carry the engine's `ReplicaId`)."""
     import ray
 
     replicas = {name.rsplit("#", 1)[-1] for name in _replica_actors(app)}
-    totals = dict.fromkeys(_VLLM, 0.0)
+    totals: dict[str, dict[str, float]] = {}
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
@@ -113,12 +120,39 @@ def vllm_counters(app: str) -> Acceptance:
             if not m:
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
-            if labels.get("ReplicaId") not in replicas:
+            replica = labels.get("ReplicaId")
+            if replica not in replicas:
                 continue
             for key, metric in _VLLM.items():
                 if m["name"] == f"ray_vllm_{metric}_total":
-                    totals[key] += float(m["value"])
-    return Acceptance(int(totals["drafts"]), int(totals["draft_tokens"]), int(totals["accepted"]))
+                    counts = totals.setdefault(replica, dict.fromkeys(_VLLM, 0.0))
+                    counts[key] += float(m["value"])
+    return {r: Acceptance(int(c["drafts"]), int(c["draft_tokens"]), int(c["accepted"])) for r, c in totals.items()}
+
+
+class CounterWindow:
+    """Acceptance over a window, from cumulative counters read per series (a backend replica), as Prometheus'
+    increase(): a series counts from the read it is first seen in; one whose counters went down restarted and
+    counts on from zero (what it counted before stays; a restart that climbs past its last read before the next
+    one goes unseen and is undercounted, as in Prometheus); one no longer read keeps what it counted."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, Acceptance] = {}
+        self.last: dict[str, Acceptance] = {}
+        self.banked = Acceptance()
+
+    def update(self, reads: dict[str, Acceptance]) -> None:
+        for series, value in reads.items():
+            last = self.last.get(series)
+            if last is None:
+                self.first[series] = value
+            elif value.drafts < last.drafts or value.draft_tokens < last.draft_tokens or value.accepted < last.accepted:
+                self.banked = self.banked + (last - self.first[series])
+                self.first[series] = Acceptance()
+            self.last[series] = value
+
+    def total(self) -> Acceptance:
+        return sum((self.last[s] - self.first[s] for s in self.last), self.banked)
 
 
 # -- Serve plumbing ----------------------------------------------------------------------------------------------
@@ -316,10 +350,10 @@ class Rollout:
         _wait_running(app, self.cfg.startup_timeout_s, tick=tick)
         self.event("backend running", app=app)
 
-    def counters(self, app: str, import_path: str) -> Acceptance:
-
+    def counters(self, app: str, import_path: str) -> dict[str, Acceptance]:
+        """`app`'s cumulative acceptance counters by replica (what `CounterWindow` takes)."""
         if backend_of(import_path) == "vllm":
-            return vllm_counters(app)
+            return vllm_counters_by_replica(app)
         return stats_counters(f"{self.proxy}{BACKEND_PREFIX}/{app}")
 
     def next_app(self) -> str:
@@ -406,12 +440,8 @@ def run_rollout(cfg: DeployConfig, initial_only: bool = False) -> dict:
             raise
         try:
             stable_path = _import_path_of(stable)
-            before = {
-                stable.app: ro.counters(stable.app, stable_path),
-                canary.app: ro.counters(canary.app, import_path),
-            }
             ro.set_routes([stable.model_copy(update={"weight": 1 - cfg.canary_weight}), canary])
-            watched = _watch(ro, cfg, before, {stable.app: stable_path, canary.app: import_path})
+            watched = _watch(ro, cfg, {stable.app: stable_path, canary.app: import_path})
         except BaseException as err:  # a failure or an interrupt (Ctrl-C, `ray job stop`) while the canary runs
             ro.event("interrupted: the stable backend takes all traffic again", error=repr(err)[:300])
             _retire(ro, stable, canary, serve)
@@ -458,28 +488,33 @@ def _import_path_of(route: Route) -> str:
     return BACKENDS["vllm" if vllm else "disaggregated"][0]
 
 
-def _watch(ro: Rollout, cfg: DeployConfig, before: dict, paths: dict) -> dict[str, Acceptance]:
-    """Acceptance length of every app over a window of at least window_s and min_drafts on each side."""
+def _watch(ro: Rollout, cfg: DeployConfig, paths: dict) -> dict[str, Acceptance]:
+    """Acceptance of every app over a window of at least window_s and min_drafts on each side. The counters are
+    read at every poll, the first read starting the window (`CounterWindow`: every replica answering, restarts
+    counted on); a read that fails (timed out under load) is read again at the next poll: nothing is lost."""
+    windows = {app: CounterWindow() for app in paths}
     start = time.monotonic()
     while True:
-        time.sleep(cfg.poll_s)
         ro.sample()
         elapsed = time.monotonic() - start
-        if elapsed < cfg.window_s:
-            continue
         try:
-            now = {app: ro.counters(app, path) - before[app] for app, path in paths.items()}
-        except OSError as err:  # a read that timed out under load: the counters are cumulative, read them again
+            reads = {app: ro.counters(app, path) for app, path in paths.items()}
+        except OSError as err:
             if elapsed >= cfg.max_window_s:
                 raise AerieError(
                     f"the backends' acceptance counters could not be read within max_window_s "
                     f"({cfg.max_window_s:g} s): {err!r}"
                 ) from err
             ro.event("counters unreadable; read again at the next poll", error=repr(err)[:300])
-            continue
-        ro.event("watch", **{app: a.summary() for app, a in now.items()})
-        if all(a.drafts >= cfg.min_drafts for a in now.values()) or elapsed >= cfg.max_window_s:
-            return now
+        else:
+            for app, read in reads.items():
+                windows[app].update(read)
+            if elapsed >= cfg.window_s:
+                now = {app: w.total() for app, w in windows.items()}
+                ro.event("watch", **{app: a.summary() for app, a in now.items()})
+                if all(a.drafts >= cfg.min_drafts for a in now.values()) or elapsed >= cfg.max_window_s:
+                    return now
+        time.sleep(cfg.poll_s)
 
 
 def _finish(ro: Rollout, cfg: DeployConfig, record: dict) -> dict:
