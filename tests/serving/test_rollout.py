@@ -261,9 +261,11 @@ def test_rollout_promotes_under_load_through_the_death_of_the_route_table_and_a_
     assert record["decision"] == "promoted" and record["app"] == "dur-2"
     assert len(load.results) >= 10 and load.failures() == []
     # A stream in flight through the router replica that dies is cut (nothing can resume it); no other fails.
-    replica_died = killed[-1][1]
-    cut = [r for r in streams.failures() if r["start"] <= replica_died <= r["end"]]
-    assert len(streams.results) >= 10 and streams.failures() == cut and len(cut) <= 2, streams.failures()
+    # ray.kill returns before the replica's process is gone: a stream the proxy hands it in that moment is lost
+    # with it (seen in CI: one started 0.2 s after ray.kill returned, and waited out the client's 120 s timeout).
+    replica_killed = killed[-1][1]
+    cut = [r for r in streams.failures() if r["start"] <= replica_killed + 2.0 and r["end"] >= replica_killed]
+    assert len(streams.results) >= 10 and streams.failures() == cut and len(cut) <= 4, streams.failures()
     assert any(r["at"] > killed[-1][1] for r in load.results)  # served after both deaths
     backends = record["timeline"][-1]["backends"]
     assert backends["dur-1"]["requests"] > 0 and backends["dur-2"]["requests"] > 0  # the canary got traffic
