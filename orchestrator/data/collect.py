@@ -122,7 +122,7 @@ class CollectConfig(StrictModel):
     compute_dtype: DtypeName = Field(
         "auto",
         description="the target forward's precision (auto: bf16 on CUDA, fp32 on the CPU); bfloat16 on a CPU with "
-        "AVX512-BF16 or AMX captures ~1.7x faster than fp32 (SmolLM2-135M, 2 cores)",
+        "AVX512-BF16 or AMX captures ~1.5x faster than fp32 (SmolLM2-135M, 2 cores)",
     )
     backend: Literal["target", "vllm"] = Field(
         "target", description="target: the project's model; vllm: vLLM's extract_hidden_states (production on GPU)"
