@@ -9,8 +9,8 @@ Sampled (T=1.0, top-p 0.95 by default), then filtered (empty, too short, truncat
 prompt such as "The user asks about math") and de-duplicated.
 Follow-up user turns are written the same way after the answer. Regeneration (self-distillation) replaces
 every assistant turn by the target's own answer, turn by turn, so the drafter learns the distribution it
-will be served against. Results are saved as JSONL with a provenance record and reused when the settings
-match.
+will be served against. Every generated message keeps the token ids the target emitted. Results are saved in
+chunks (orchestrator/data/corpus.py) and reused when the settings match.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import json
 import logging
 import re
 from collections import Counter
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -70,10 +69,13 @@ class RegenerateConfig(StrictModel):
     chunk_conversations: int = Field(
         1000, ge=1, description="conversations generated and saved at a time: a stopped run resumes at its last chunk"
     )
+    commit: bool = Field(
+        False, description="commit each chunk to git as it is written (a corpus kept in the repository, e.g. data/)"
+    )
 
     def cache_settings(self) -> dict:
-        """What decides the generated text (the chunk size decides only where the saved files split)."""
-        return self.model_dump(exclude={"chunk_conversations"})
+        """What decides the generated text (not where it is kept, how it is split into files, or committed)."""
+        return self.model_dump(exclude={"chunk_conversations", "cache_dir", "commit"})
 
 
 def user_turn_prefix(tokenizer, messages: list[dict]) -> str:
@@ -88,12 +90,15 @@ def _complete(
     texts: list[str],
     params: list[SamplingParams],
     progress: str | None = None,
-) -> list[tuple[str, bool]]:
-    """Continue each rendered text; returns (completion, finished with EOS) per text (a bar: `progress`)."""
+) -> list[tuple[str, bool, list[int]]]:
+    """Continue each rendered text; returns (completion, finished with EOS, its token ids without special tokens)
+    per text (a bar: `progress`)."""
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    special = set(tokenizer.all_special_ids)
     out = []
     for g in decoder.generate(prompts, params, progress=progress):
-        out.append((tokenizer.decode(g.token_ids, skip_special_tokens=True).strip(), g.finish_reason == "stop"))
+        ids = [t for t in g.token_ids if t not in special]
+        out.append((tokenizer.decode(ids, skip_special_tokens=True).strip(), g.finish_reason == "stop", ids))
     return out
 
 
@@ -142,7 +147,7 @@ def synthesise_prompts(
             )
             for i in range(len(batch))
         ]
-        for topic, (text, finished) in zip(
+        for topic, (text, finished, ids) in zip(
             batch, _complete(decoder, tokenizer, texts, params, f"synthetic prompts, round {round_ + 1}"), strict=True
         ):
             stats["generated"] += 1
@@ -161,7 +166,7 @@ def synthesise_prompts(
                 kept.append(
                     Conversation(
                         f"synthetic/{cfg.seed}/{first_id + len(kept)}",
-                        [{"role": "user", "content": text}],
+                        [{"role": "user", "content": text, "token_ids": ids}],
                         f"synthetic:{topic}",
                     )
                 )
@@ -206,11 +211,11 @@ def answer_turns(
                 )
                 for i in need
             ]
-            for i, (text, finished) in zip(
+            for i, (text, finished, ids) in zip(
                 need, _complete(decoder, tokenizer, texts, p, f"follow-ups, turn {turn + 1}"), strict=True
             ):
                 if finished and len(text) >= follow_up.min_prompt_chars:
-                    users[i].append({"role": "user", "content": text})
+                    users[i].append({"role": "user", "content": text, "token_ids": ids})
         active = [i for i in range(len(history)) if turn < len(users[i])]
         for i in active:
             history[i].append(users[i][turn])
@@ -223,32 +228,14 @@ def answer_turns(
                 del users[i][turn:]
         active = [i for i, ok in zip(active, fits, strict=True) if ok]
         texts = [t for t, ok in zip(texts, fits, strict=True) if ok]
-        for i, (text, _) in zip(
+        for i, (text, _, ids) in zip(
             active,
             _complete(decoder, tokenizer, texts, [params] * len(active), f"answers, turn {turn + 1}/{turns}"),
             strict=True,
         ):
-            history[i].append({"role": "assistant", "content": text})
+            history[i].append({"role": "assistant", "content": text, "token_ids": ids})
     return [Conversation(c.id, h, c.source) for c, h in zip(conversations, history, strict=True)]
 
 
 def cache_key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def save_dataset(path: Path, conversations: list[Conversation], provenance: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(
-        "".join(json.dumps({"id": c.id, "source": c.source, "messages": c.messages}) + "\n" for c in conversations)
-    )
-    tmp.replace(path)
-    path.with_suffix(".provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-
-
-def load_saved_dataset(path: Path) -> tuple[list[Conversation], dict] | None:
-    prov = path.with_suffix(".provenance.json")
-    if not (path.is_file() and prov.is_file()):
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Conversation(r["id"], r["messages"], r.get("source", "")) for r in rows], json.loads(prov.read_text())

@@ -18,7 +18,8 @@ import torch
 from orchestrator.data.collect import first_user
 from orchestrator.data.conversations import LoadReport, load_chitchat
 from orchestrator.data.shards import read_shard
-from orchestrator.data.synthetic import load_saved_dataset, normalise
+from orchestrator.data import corpus
+from orchestrator.data.synthetic import normalise
 from tests.helpers import ray_cli_env, start_ray_head, stop_ray_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -234,29 +235,34 @@ def test_synthetic_prompts_and_regeneration_are_made_once_in_chunks_and_resumed(
     assert sum(synthetic["per_topic"].values()) == 4 and len(synthetic["datasets"]) == 2
     regenerated = manifest["datasets"]["regenerated"]
     assert regenerated["conversations"] == 3 and regenerated["tokens_per_s"] > 0 and len(regenerated["datasets"]) == 2
-    rows = [json.loads(line) for p in regenerated["datasets"] for line in Path(p).read_text().splitlines()]
-    assert all(m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant")
-    assert all(sum(m["role"] == "user" for m in r["messages"]) <= 2 for r in rows)
+    rows = [c.messages for p in regenerated["datasets"] for c in corpus.load_chunk(Path(p))[0]]
+    assert all(m["content"] and m["token_ids"] for r in rows for m in r if m["role"] == "assistant")
+    assert all(sum(m["role"] == "user" for m in r) <= 2 for r in rows)
+    listed = json.loads((cache / corpus.MANIFEST).read_text())
+    assert listed["totals"]["chunks"] == 4 and listed["target_sha256"]
+    assert manifest["datasets"]["corpus"]["manifest_sha256"] == corpus.sha256_bytes(
+        (cache / corpus.MANIFEST).read_bytes()
+    )
 
     # A run stopped while it wrote the first regenerated chunk, rerun asking for a larger synthetic corpus (data
     # only: max_new_shards=0 captures nothing and starts no Ray): the saved chunks are reused, the lost one is
     # written again (the same text: the project's engine is seeded).
     lost, chunks = Path(regenerated["datasets"][0]), synthetic["datasets"]
-    text = lost.read_text()
+    text = lost.read_bytes()
     lost.unlink()
-    kept = {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.suffix == ".jsonl"}
+    kept = {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.name.endswith(corpus.SUFFIX)}
     larger = [o.replace("num_conversations: 4", "num_conversations: 6") for o in overrides]
     proc = _collect(config, f"output={tmp_path / 'b'}", *larger, "max_new_shards=0")
     _ok(proc)
     assert "Started a local Ray instance" not in proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.name in kept} == kept, "chunks must be reused"
-    assert lost.read_text() == text
+    assert lost.read_bytes() == text
     result = json.loads((tmp_path / "b" / "result.json").read_text())
     assert result["shards_written"] == 0 and not result["complete"]
     again = result["datasets"]
     synthetic = next(s for s in again["sources"] if s["kind"] == "synthetic")
     assert synthetic["used"] == 6 and synthetic["datasets"][:2] == chunks
-    prompts = [first_user(c) for p in synthetic["datasets"] for c in load_saved_dataset(Path(p))[0]]
+    prompts = [first_user(c) for p in synthetic["datasets"] for c in corpus.load_chunk(Path(p))[0]]
     assert len({normalise(p) for p in prompts}) == 6  # no chunk repeats another's prompt
 
 

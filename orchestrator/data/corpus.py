@@ -1,0 +1,194 @@
+"""A generated corpus that lives in git: what the target wrote, as text and token ids, in gzip JSONL chunks.
+
+    data/smollm2-broad/
+      synthetic-<key>.jsonl.gz          {"id", "source", "messages": [{"role", "content", "token_ids"}, ...]} a line
+      synthetic-<key>.provenance.json   what made the chunk: target checksum, settings, statistics, seconds, sha256
+      regenerated-<key>.jsonl.gz ...
+      manifest.json                     every chunk (sha256, conversations, tokens) and the totals
+
+A generated message's `token_ids` are the ids the target emitted (special tokens left out); a human-written one
+has none. Chunks are written with gzip's timestamp at zero, so the same conversations give the same bytes, and a
+chunk whose bytes no longer match its recorded sha256 is refused by name (`git checkout` it, or delete it and
+its provenance to generate it again). With `commit` on, each chunk is committed to git as soon as it is written
+(only its own files and the manifest), so a stopped run loses at most the chunk it was writing.
+
+Degenerate answers are filtered when a corpus is loaded, not when it is written, so a better filter needs no new
+generation: an assistant turn whose token 4-grams are less than half distinct (a loop such as "I'm sorry, I'm
+sorry, ...") ends its conversation before that turn; a conversation left with no assistant turn is dropped.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+from orchestrator.data.conversations import Conversation
+from orchestrator.errors import AerieError
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+SUFFIX = ".jsonl.gz"
+REPEAT_NGRAM = 4
+MIN_DISTINCT_NGRAMS = 0.5  # of an answer's 4-grams; natural answers of 256 tokens measure 0.9 and above
+MIN_TOKENS_TO_JUDGE = 48
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def provenance_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(SUFFIX) + ".provenance.json")
+
+
+def encode(conversations: list[Conversation]) -> bytes:
+    """The chunk's bytes: JSONL, gzip with no timestamp (the same conversations give the same bytes)."""
+    text = "".join(
+        json.dumps({"id": c.id, "source": c.source, "messages": c.messages}, ensure_ascii=False) + "\n"
+        for c in conversations
+    )
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, compresslevel=9) as f:
+        f.write(text.encode())
+    return buf.getvalue()
+
+
+def save_chunk(path: Path, conversations: list[Conversation], provenance: dict) -> None:
+    """Write a chunk and its provenance (with the chunk's sha256), each atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = encode(conversations)
+    provenance = {**provenance, "sha256": sha256_bytes(data), "bytes": len(data), "counts": counts(conversations)}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    prov = provenance_path(path)
+    tmp = prov.with_name(prov.name + ".tmp")
+    tmp.write_text(json.dumps(provenance, indent=2) + "\n")
+    tmp.replace(prov)
+
+
+def load_chunk(path: Path) -> tuple[list[Conversation], dict] | None:
+    """A saved chunk and its provenance; None when either file is missing. Bytes that do not match the recorded
+    sha256 (a truncated copy, a bad merge) are refused with the way out."""
+    prov_path = provenance_path(path)
+    if not (path.is_file() and prov_path.is_file()):
+        return None
+    prov = json.loads(prov_path.read_text())
+    data = path.read_bytes()
+    if prov.get("sha256") not in (None, sha256_bytes(data)):
+        raise AerieError(
+            f"{path} does not match the sha256 in {prov_path.name}: restore it (git checkout -- {path}) or delete "
+            "both files to generate the chunk again"
+        )
+    try:
+        rows = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AerieError(f"{path} is not gzip JSONL ({e}): delete it and {prov_path.name} to generate it again") from e
+    return [Conversation(r["id"], r["messages"], r.get("source", "")) for r in rows], prov
+
+
+def repetitive(ids: list[int], n: int = REPEAT_NGRAM, threshold: float = MIN_DISTINCT_NGRAMS) -> bool:
+    """True for a degenerate answer: at least MIN_TOKENS_TO_JUDGE tokens whose n-grams are < `threshold`
+    distinct."""
+    if len(ids) < MIN_TOKENS_TO_JUDGE:
+        return False
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) < threshold
+
+
+def drop_degenerate(conversations: list[Conversation], tokenizer) -> tuple[list[Conversation], dict]:
+    """Each conversation cut before its first repetitive assistant turn (and dropped when no assistant turn
+    remains); returns the kept conversations and what was cut."""
+    kept, cut_turns, dropped = [], 0, 0
+    for conv in conversations:
+        end = len(conv.messages)
+        for i, m in enumerate(conv.messages):
+            if m["role"] == "assistant" and repetitive(message_ids(m, tokenizer)):
+                end = i - 1 if i > 0 and conv.messages[i - 1]["role"] == "user" else i  # its question goes too
+                cut_turns += 1
+                break
+        messages = conv.messages[:end]
+        if any(m["role"] == "assistant" for m in messages):
+            kept.append(Conversation(conv.id, messages, conv.source))
+        else:
+            dropped += 1
+    return kept, {"degenerate_turns_cut": cut_turns, "conversations_dropped": dropped}
+
+
+def message_ids(message: dict, tokenizer=None) -> list[int]:
+    """A message's token ids: those the target generated, else the tokenizer's (needs `tokenizer`)."""
+    if "token_ids" in message:
+        return message["token_ids"]
+    if tokenizer is None:
+        return []
+    return tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+
+
+def counts(conversations: list[Conversation]) -> dict:
+    """Conversations, turns and generated tokens (assistant answers: all, and over distinct answer texts)."""
+    answers = [m for c in conversations for m in c.messages if m["role"] == "assistant"]
+    distinct = {m["content"].strip(): len(m.get("token_ids", [])) for m in answers}
+    return {
+        "conversations": len(conversations),
+        "assistant_turns": len(answers),
+        "assistant_tokens": sum(len(m.get("token_ids", [])) for m in answers),
+        "unique_assistant_tokens": sum(distinct.values()),
+        "user_tokens_generated": sum(
+            len(m.get("token_ids", [])) for c in conversations for m in c.messages if m["role"] == "user"
+        ),
+    }
+
+
+def write_manifest(folder: Path, made: dict) -> dict:
+    """manifest.json over every chunk in `folder` (read from the provenance files): sha256, sizes, counts per
+    chunk and the totals; `made` says what made them (target, checksum, generation settings)."""
+    chunks = []
+    for prov_path in sorted(folder.glob("*.provenance.json")):
+        data_path = prov_path.with_name(prov_path.name.removesuffix(".provenance.json") + SUFFIX)
+        if not data_path.is_file():
+            continue
+        prov = json.loads(prov_path.read_text())
+        chunks.append(
+            {
+                "file": data_path.name,
+                "sha256": prov.get("sha256"),
+                "bytes": prov.get("bytes"),
+                "kind": data_path.name.split("-")[0],
+                "chunk": prov.get("chunk"),
+                "seconds": prov.get("seconds", prov.get("stats", {}).get("seconds")),
+                **prov.get("counts", {}),
+            }
+        )
+    totals: dict = {"chunks": len(chunks)}
+    for c in chunks:
+        for key in ("bytes", "seconds", *counts([]).keys()):
+            totals[key] = round(totals.get(key, 0) + (c.get(key) or 0), 1)
+    manifest = {"format": "aerie-corpus/1", **made, "totals": totals, "chunks": chunks}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(folder / MANIFEST)
+    return manifest
+
+
+def git_commit(paths: list[Path], message: str) -> bool:
+    """Commit exactly `paths` (other staged changes are left staged); False, with a warning, outside a git
+    work tree or when git refuses (the files stay written either way)."""
+    where = paths[0].parent
+    files = [str(p.resolve()) for p in paths]
+    try:
+        subprocess.run(["git", "add", "--", *files], cwd=where, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "commit", "-q", "--only", "-m", message, "--", *files], cwd=where, check=True, capture_output=True
+        )
+        return True
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        log.warning(
+            "could not commit %s to git (%s): the chunk is written, commit it by hand", where, err.decode()[:200]
+        )
+        return False
