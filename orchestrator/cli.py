@@ -179,11 +179,33 @@ def _convert_drafter(args: argparse.Namespace) -> int:
     if args.data:
         manifest, sha = read_manifest(args.data)
         provenance["data"] = {"location": args.data, "manifest_sha256": sha, "datasets": manifest.get("datasets")}
+        corpus = (manifest.get("datasets") or {}).get("corpus") or {}
+        if corpus:  # the committed corpus the collection was made from (data/...): what remakes it
+            provenance["corpus"] = corpus
+    if args.evaluation:
+        provenance["tau"] = tau_table(args.evaluation, args.evaluation_name)
     out = save_drafter(drafter, args.out)
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     size = (out / "model.safetensors").stat().st_size / 2**20
     print(f"wrote {args.dtype} {out} ({size:.1f} MiB) with provenance.json")
     return 0
+
+
+def tau_table(result_path: str, name: str) -> dict:
+    """One drafter's acceptance lengths from an evaluation's result.json: {method: {set: tau}}, vLLM's beside."""
+    result = json.loads(Path(result_path).read_text())
+    if name not in result.get("drafters", {}):
+        raise AerieError(f"{result_path} evaluated no drafter named {name!r}: {sorted(result.get('drafters', {}))}")
+    entry = result["drafters"][name]
+    table = {
+        method: {"all": e["overall"]["acceptance_length"], **{k: v["acceptance_length"] for k, v in e["sets"].items()}}
+        for method, e in entry["engine"].items()
+        if isinstance(e, dict) and "overall" in e
+    }
+    check = entry.get("vllm_check") or {}
+    if check:
+        table[f"vllm:{check['method']}"] = {k: v["vllm_tau"] for k, v in check.get("sets", {}).items()}
+    return {"evaluation": result_path, "source": entry.get("source"), "table": table}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -272,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--train-config", default=None, help="the training config that produced it (recorded)")
     p.add_argument("--data", default=None, help="the collection it was trained on (its manifest sha256 is recorded)")
+    p.add_argument("--evaluation", default=None, help="an evaluation's result.json: its tau table is recorded")
+    p.add_argument("--evaluation-name", default="eagle3.1", help="this drafter's name in that evaluation")
     p.set_defaults(func=_convert_drafter)
 
     p = sub.add_parser("demo", help="answer prompts with and without speculation; acceptance length and speed-up")

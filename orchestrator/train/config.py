@@ -28,12 +28,20 @@ class DrafterSpec(StrictModel):
     init_from: str | None = Field(
         None, description="warm start: a drafter directory, s3:// URI or models:/NAME/VERSION | models:/NAME@ALIAS"
     )
+    continue_from: str | None = Field(
+        None,
+        description="a committed drafter directory (aerie convert-drafter's, with provenance.json) to go on training "
+        "when it holds one: its weights, vocabulary, data position and token count carry on; AdamW's moments do not "
+        "(the optimizer restarts with its warmup). Empty or absent: train from scratch",
+    )
     seed: int = 0
 
     @model_validator(mode="after")
     def _one_vocabulary(self):
         if self.init_from and self.draft_vocab_coverage is not None:
             raise ValueError("init_from keeps the warm drafter's vocabulary: drop draft_vocab_coverage")
+        if self.init_from and self.continue_from:
+            raise ValueError("set init_from (a warm start) or continue_from (the same drafter, trained on), not both")
         return self
 
     def flags(self) -> dict:

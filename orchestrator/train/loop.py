@@ -187,6 +187,9 @@ def train_loop_per_worker(config: dict) -> None:
     drafter = model.drafter
     optimizer = make_optimizer(drafter, cfg)
     progress, position = Progress(), DataPosition()
+    starts = config.get("start_positions") or []  # a continued drafter's, when the world size is the same
+    if len(starts) == world:
+        position = DataPosition(**starts[rank])
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:

@@ -116,10 +116,29 @@ def _resolve_paths(cfg: TrainConfig) -> TrainConfig:
     return cfg.model_copy(update=updates)
 
 
+def continued(cfg: TrainConfig) -> tuple[TrainConfig, dict | None]:
+    """`drafter.continue_from` resolved: when that directory holds a drafter, the config warm-starts from it under
+    a run name of its own (the committed weights' sha256: a stopped run on this machine resumes, the next increment
+    after a commit is a new run), and the previous training's record (provenance.json) comes back; else the
+    config is unchanged (trained from scratch, the vocabulary sized as configured) and None."""
+    where = cfg.drafter.continue_from
+    if where is None or not (Path(where) / "config.json").is_file():
+        return cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"continue_from": None})}), None
+    weights = Path(where) / "model.safetensors"
+    if not weights.is_file():
+        raise AerieError(f"continue_from {where} has a config.json but no model.safetensors: restore or remove it")
+    prov_path = Path(where) / "provenance.json"
+    previous = json.loads(prov_path.read_text()).get("training", {}) if prov_path.is_file() else {}
+    sha = hashlib.sha256(weights.read_bytes()).hexdigest()[:10]
+    drafter = cfg.drafter.model_copy(update={"init_from": where, "continue_from": None, "draft_vocab_coverage": None})
+    return cfg.model_copy(update={"name": f"{cfg.name}-from-{sha}", "drafter": drafter}), previous
+
+
 def run_training(cfg: TrainConfig) -> dict:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    cfg, previous = continued(cfg)
     cfg = _resolve_paths(cfg)
     model_dir = resolve_model(cfg.model, cfg.models_dir).resolve()
     hf = read_hf_config(model_dir)
@@ -135,12 +154,14 @@ def run_training(cfg: TrainConfig) -> dict:
     size = cfg.drafter.draft_vocab_size
     if cfg.drafter.draft_vocab_coverage is not None:
         size = size_for_coverage(counts, cfg.drafter.draft_vocab_coverage)
-    config = DrafterConfig.for_target(hf, aux, size, cfg.drafter.variant, **cfg.drafter.flags())
     uri = tracking_uri(cfg.mlflow.tracking_uri)
     init_dir, warm_drafter = None, None
     if cfg.drafter.init_from:
         init_dir = str(fetch_drafter(cfg.drafter.init_from, tracking=uri).resolve())
         warm_drafter = load_drafter(init_dir, target_num_layers=hf["num_hidden_layers"])
+        size = warm_drafter.config.draft_vocab_size  # a warm start keeps its vocabulary
+    config = DrafterConfig.for_target(hf, aux, size, cfg.drafter.variant, **cfg.drafter.flags())
+    if warm_drafter is not None:
         warm = warm_drafter.config
         if (warm.decoder, warm.draft_vocab_size, warm.aux_layer_ids) != (
             config.decoder,
@@ -148,7 +169,22 @@ def run_training(cfg: TrainConfig) -> dict:
             config.aux_layer_ids,
         ):
             raise AerieError(f"init_from {cfg.drafter.init_from} has a different shape than the configured drafter")
+        if warm.variant != config.variant:
+            raise AerieError(
+                f"init_from {cfg.drafter.init_from} is an {warm.variant} drafter; this run trains {config.variant}: "
+                "set drafter.variant to match it"
+            )
 
+    starts = None
+    if previous is not None:
+        same_data = previous.get("data_manifest_sha256") == manifest_sha
+        starts = previous.get("data_positions") if same_data else None
+        log.info(
+            "continuing %s (%s tokens so far) %s",
+            cfg.drafter.init_from,
+            previous.get("tokens_cumulative", previous.get("tokens", "?")),
+            "where its data stream stopped" if starts else "from the start of this data (another collection)",
+        )
     vocab = draft_vocab(counts, config.draft_vocab_size)
     if warm_drafter is not None:
         vocab = torch.nonzero(warm_drafter.t2d).flatten()
@@ -183,6 +219,7 @@ def run_training(cfg: TrainConfig) -> dict:
             "aux_layer_ids": list(aux),
             "draft_vocab": vocab.tolist(),
             "init_from_dir": init_dir,
+            "start_positions": starts,
             "tracking_uri": uri,
             "run_id": run_id,
             "online": _online_loop_config(online, cfg) if online else None,
@@ -211,12 +248,21 @@ def run_training(cfg: TrainConfig) -> dict:
         mlflow.set_terminated(run_id, status="FAILED")
         raise AerieError(f"training {cfg.name} ended without a checkpoint ({result.error})")
     with result.checkpoint.as_directory() as ckpt:
-        return _finish(cfg, Path(ckpt), mlflow, run_id, config, manifest_sha, cover, model_dir, result.metrics)
+        out = _finish(cfg, Path(ckpt), mlflow, run_id, config, manifest_sha, cover, model_dir, result.metrics)
+    before = previous or {}
+    out["tokens_cumulative"] = before.get("tokens_cumulative", before.get("tokens", 0)) + out["tokens"]
+    out["steps_cumulative"] = before.get("steps_cumulative", before.get("steps", 0)) + out["steps"]
+    out["train_minutes_cumulative"] = round(
+        before.get("train_minutes_cumulative", before.get("train_minutes", 0)) + out["train_minutes"], 2
+    )
+    out["runs"] = before.get("runs", [before["mlflow_run_id"]] if "mlflow_run_id" in before else []) + [run_id]
+    return out
 
 
 def _finish(cfg, ckpt: Path, mlflow, run_id: str, config, manifest_sha: str, cover: float, model_dir, metrics) -> dict:
     """Export the final drafter, log artifacts and plots, register it; returns the job result."""
     progress = json.loads((ckpt / "progress.json").read_text())
+    positions = [json.loads(p.read_text()) for p in sorted(ckpt.glob("data-rank*.json"), key=_rank_of)]
     exported = export_drafter(ckpt / "drafter", cfg.output)
     history = {
         key: [(m.step, m.value) for m in mlflow.get_metric_history(run_id, key)]
@@ -251,8 +297,14 @@ def _finish(cfg, ckpt: Path, mlflow, run_id: str, config, manifest_sha: str, cov
         "tokens": progress["tokens"],
         "draft_vocab_size": config.draft_vocab_size,
         "draft_vocab_coverage": round(cover, 4),
+        "data_manifest_sha256": manifest_sha,
+        "data_positions": positions,
         "final_metrics": {k: round(v, 4) for k, v in sorted(final.items())},
     }
+
+
+def _rank_of(path: Path) -> int:
+    return int(path.stem.removeprefix("data-rank"))
 
 
 def export_drafter(drafter_dir: Path, output: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.cli import main
 from orchestrator.data.conversations import LoadReport, load_chitchat
 from tests.helpers import write_tiny_llama
 
@@ -104,7 +105,7 @@ def root(tmp_path_factory, smollm2_dir) -> Path:
         "collect": {"config": str(root / "collect.yaml")},
         "train": {"config": str(root / "train.yaml"), "variants": ["eagle3.1"]},
         "evaluate": {"config": str(root / "eval.yaml")},
-        "gate": {"method": "chain-3", "set": "all"},
+        "gate": {"method": "chain-3", "beat": "all", "hold": []},
         "deploy": {"config": "configs/smollm2-135m/deploy.yaml", "when": "never"},
         "benchmark": {"config": "configs/smollm2-135m/benchmark_serving.yaml", "enabled": False},
         "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
@@ -331,6 +332,33 @@ def test_s3_data_checkpoints_and_export(root, trained, s3_env, monkeypatch):
     drafter = load_drafter(download_prefix("s3://aerie-test/e2e-drafter", root / "from-s3"))
     counts = count_tokens(str(root / "data"), drafter.config.vocab_size)
     assert drafter.config.draft_vocab_size == size_for_coverage(counts, 0.9) != 512
+
+
+def test_a_committed_drafter_trains_on_where_it_stopped(root, trained):
+    """`make drafters` across sessions: the exported drafter converted to bf16 with its provenance (what a
+    session commits), then trained on from there on a machine without the first run's checkpoints."""
+    exported, committed = root / "exported", root / "committed"
+    shutil.copytree(trained["exported"], exported)
+    (exported / "result.json").write_text(json.dumps(trained))  # what jobs.train_drafter writes beside its export
+    assert main(["convert-drafter", str(exported), "--out", str(committed), "--data", str(root / "data")]) == 0
+    before = json.loads((committed / "provenance.json").read_text())["training"]
+    proc = _job(
+        "train_drafter",
+        root / "train.yaml",
+        f"drafter.continue_from={committed}",
+        f"output={root / 'continued'}",
+        f"checkpoint.storage_path={root / 'ckpt-continued'}",  # the first run's checkpoints are not there
+        "max_steps=2",
+        "mlflow.registered_model=null",
+    )
+    _ok(proc)
+    after = json.loads((root / "continued" / "result.json").read_text())
+    assert after["name"].startswith("tiny-from-") and after["steps"] == 2
+    assert after["tokens_cumulative"] == before["tokens"] + after["tokens"]
+    assert after["runs"] == [before["mlflow_run_id"], after["mlflow_run_id"]]
+    assert after["draft_vocab_size"] == before["draft_vocab_size"]
+    for old, new in zip(before["data_positions"], after["data_positions"], strict=True):  # the stream went on
+        assert (new["epoch"], new["consumed"]) > (old["epoch"], old["consumed"])
 
 
 @pytest.mark.parametrize(
