@@ -11,8 +11,9 @@ import pytest
 from orchestrator.benchmarks.stats import format_ratio, paired_ratio
 from orchestrator.cli import main
 
-DEMO = Path(__file__).resolve().parents[1] / "demo"
-DRAFTER = DEMO / "smollm2-135m-eagle3.1"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "demo"
+DRAFTER = ROOT / "drafters" / "smollm2-135m-chitchat-eagle3.1"
 
 
 def test_the_committed_drafter_is_small_bf16_and_says_where_it_came_from():

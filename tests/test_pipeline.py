@@ -86,12 +86,13 @@ def test_the_gate_reads_the_configured_method_and_set(pipeline):
             }
         }
     }
-    assert pipeline.tau(evaluation, "eagle3.1") == 1.6
-    pipeline.cfg.gate.set = "all"
-    assert pipeline.tau(evaluation, "eagle3.1") == 1.8
+    assert pipeline.tau(evaluation, "eagle3.1", "mtbench") == 1.6
+    assert pipeline.tau(evaluation, "eagle3.1", "all") == 1.8
+    with pytest.raises(AerieError, match=r"gate set 'validation' was not evaluated: \['mtbench'\]"):
+        pipeline.tau(evaluation, "eagle3.1", "validation")
     pipeline.cfg.gate.method = "tree"
     with pytest.raises(AerieError, match=r"gate.method 'tree' is not an evaluation method: \['chain-5'\]"):
-        pipeline.tau(evaluation, "eagle3.1")
+        pipeline.tau(evaluation, "eagle3.1", "mtbench")
 
 
 @pytest.mark.parametrize(
@@ -161,20 +162,16 @@ def test_every_embedded_default_config_validates(path, monkeypatch):
     monkeypatch.chdir(REPO)
     file = f"configs/smollm2-135m/{path}"
     if path.startswith("serve"):
-        read_serve_config(file, ["speculation=false"])  # the drafter is trained by `make drafters`
+        read_serve_config(file, [])  # its drafter is committed: a fresh clone serves with speculation
         return
     cfg = load_config(_config_class(Path(path).stem), file)
     if isinstance(cfg, PipelineConfig):  # and every stage's file with its overrides
         Pipeline(cfg.model_copy(update={"output_dir": "/nonexistent"})).preflight()
 
 
-def _evaluated(tau: float) -> dict:
-    return {
-        "engine": {
-            "chain-5": {"overall": {"acceptance_length": tau}, "sets": {"mtbench": {"acceptance_length": tau}}},
-            "draft_vocab_coverage": {},
-        }
-    }
+def _evaluated(tau: float, validation: float | None = None) -> dict:
+    sets = {"mtbench": {"acceptance_length": tau}, "validation": {"acceptance_length": validation or tau}}
+    return {"engine": {"chain-5": {"overall": {"acceptance_length": tau}, "sets": sets}, "draft_vocab_coverage": {}}}
 
 
 def test_the_gate_compares_the_candidate_with_the_version_in_production(pipeline):
@@ -199,10 +196,41 @@ def test_the_gate_compares_the_candidate_with_the_version_in_production(pipeline
     }
     collection = {"output": "data", "manifest_sha256": "sha", "run_id": "collect"}
     gate = pipeline.gate(trained, evaluation, collection)
-    assert gate["production"] == "models:/r/1" and gate["production_tau"] == 1.6 and not gate["passed"]
+    assert gate["production"] == "models:/r/1" and gate["production_tau"]["mtbench"] == 1.6 and not gate["passed"]
     assert registry.get_model_version("r", "2").tags["aerie.gate"] == "failed"
     assert registry.get_model_version("r", "1").tags["aerie.collection.manifest_sha256"] == "sha"
     assert pipeline.deploy(trained, gate) == {"skipped": f"the gate failed: {gate['reason']}"}
     registry.set_registered_model_alias("r", "production", "2")
+    pipeline.cfg.gate.beat = "all"  # against itself: a candidate never beats itself on the beat set
     gate = pipeline.gate(trained, evaluation, collection)
-    assert gate["passed"] and pipeline.deploy(trained, gate) == {"skipped": "models:/r/2 is in production already"}
+    assert not gate["passed"] and "failed on all" in gate["reason"]
+
+
+@pytest.mark.parametrize(
+    ("validation", "mtbench", "passed", "failed_on"),
+    [
+        (1.9, 1.5, True, None),  # beats it on the new data, holds on MT-Bench
+        (1.7, 1.5, False, "validation"),  # equal on the new data is not better
+        (1.9, 1.49, False, "mtbench"),  # better on the new data, worse on MT-Bench
+    ],
+)
+def test_a_fine_tuned_candidate_must_beat_its_base_on_new_data_and_hold_on_mtbench(
+    pipeline, validation, mtbench, passed, failed_on
+):
+    """Nothing registered in production: the committed drafter the candidate was fine-tuned from stands for it."""
+    pipeline.cfg.train.init_from = {"eagle3.1": "drafters/base"}
+    pipeline.mlflow.create_registered_model("r")
+    pipeline.mlflow.create_model_version("r", "file:///nonexistent")
+    pipeline.start_parent()
+    trained = {"eagle3.1": {"registered": "models:/r/1", "mlflow_run_id": "train-1"}}
+    evaluation = {
+        "mlflow_run_id": "eval",
+        "drafters": {
+            "production": {"source": "drafters/base", **_evaluated(1.5, validation=1.7)},
+            "eagle3.1": {"source": "models:/r/1", **_evaluated(mtbench, validation=validation)},
+        },
+    }
+    gate = pipeline.gate(trained, evaluation, {"output": "data", "manifest_sha256": "sha", "run_id": "c"})
+    assert gate["production"] == "drafters/base" and gate["passed"] == passed
+    assert gate["production_tau"] == {"validation": 1.7, "mtbench": 1.5}
+    assert (f"failed on {failed_on}" in gate["reason"]) if failed_on else ("failed" not in gate["reason"])

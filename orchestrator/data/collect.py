@@ -23,6 +23,7 @@ from pydantic import Field, model_validator
 from tqdm import tqdm
 
 from orchestrator.config import StrictModel
+from orchestrator.data import corpus
 from orchestrator.data.conversations import (
     Conversation,
     LoadReport,
@@ -44,7 +45,6 @@ from orchestrator.data.shards import (
     write_shard,
 )
 from orchestrator.data.storage import open_storage
-from orchestrator.data import corpus
 from orchestrator.data.synthetic import (
     RegenerateConfig,
     SyntheticConfig,
@@ -245,7 +245,7 @@ def add_generated(
             wanted = min(size, scfg.num_conversations - k * size)
             path = cache / f"synthetic-{cache_key(model_hash, what, settings, k, size, wanted)}{corpus.SUFFIX}"
 
-            def make(k=k, wanted=wanted, scfg=scfg, source=source):
+            def make(k=k, wanted=wanted, scfg=scfg, source=source, seen=seen):
                 prompts, stats = synthesise_prompts(get_decoder(), tokenizer, scfg, wanted, k * size, seen)
                 convs = answer_turns(get_decoder(), tokenizer, prompts, regen, scfg, cfg.max_length_tokens)
                 return convs, {"source": source.model_dump(), "chunk": k, "stats": stats}

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from orchestrator.data import corpus
 from orchestrator.data.collect import first_user
 from orchestrator.data.conversations import LoadReport, load_chitchat
 from orchestrator.data.shards import read_shard
-from orchestrator.data import corpus
 from orchestrator.data.synthetic import normalise
 from tests.helpers import ray_cli_env, start_ray_head, stop_ray_cluster
 
