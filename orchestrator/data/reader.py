@@ -38,8 +38,11 @@ class ShardReader:
         seed: int = 0,
         buffer_sequences: int = 256,
         verify: bool = True,
+        start_shard: int = 0,
     ) -> None:
-        """location: a collection's directory or s3:// prefix, or a Storage (data/online.py's OnlineShards)."""
+        """location: a collection's directory or s3:// prefix, or a Storage (data/online.py's OnlineShards).
+        start_shard: skip the first shards of the shuffled order (never read, so never captured online);
+        `shards_read` counts, from the start of that order, the shards read whole so far."""
         assert 0 <= rank < world_size
         self.storage = open_storage(location) if isinstance(location, str) else location
         if not self.storage.exists("manifest.json"):
@@ -48,11 +51,13 @@ class ShardReader:
         self.shards = [s for s in self.manifest["shards"] if s["split"] == split][rank::world_size]
         online = self.manifest.get("online", False)  # no checksums: the bytes never touched storage
         self.seed, self.buffer, self.verify = seed, buffer_sequences, verify and not online
+        self.start_shard = self.shards_read = start_shard
 
     def __iter__(self) -> Iterator[HiddenStateSequence]:
         rng = random.Random(self.seed)
         order = list(self.shards)
         rng.shuffle(order)
+        order = order[self.start_shard :]
         if hasattr(self.storage, "will_read"):  # online shards: capture starts ahead, in this order
             self.storage.will_read([r["name"] for r in order])
         buffer: list[HiddenStateSequence] = []
@@ -61,6 +66,7 @@ class ShardReader:
                 buffer.append(seq)
                 if len(buffer) >= self.buffer:
                     yield buffer.pop(rng.randrange(len(buffer)))
+            self.shards_read += 1
         rng.shuffle(buffer)
         yield from buffer
 

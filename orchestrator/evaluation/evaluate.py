@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from orchestrator.benchmarks.stats import tau_ratio
 from orchestrator.config import StrictModel
 from orchestrator.engine import load_engine
 from orchestrator.evaluation.plots import plot_evaluation
@@ -215,10 +216,50 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def compare(result: dict) -> dict:
+    """Per method and set ('all' and each set): every drafter's tau with its 95% bootstrap interval over prompts,
+    and its ratio to the first drafter (the baseline) with the paired interval (the same prompt draws for both;
+    stats.tau_ratio with one seed). {method: {set: {drafter: {"tau", "interval", "ratio", "ratio_interval"}}}}"""
+    import numpy as np
+
+    sets = [s for s, _ in result["prompt_labels"]]
+    names = list(result["drafters"])
+    methods = [m for m in result["drafters"][names[0]]["engine"] if m != "draft_vocab_coverage"]
+    out: dict = {}
+    for method in methods:
+        per = {n: np.asarray(result["drafters"][n]["engine"][method]["per_prompt"], dtype=float) for n in names}
+        for set_name in ["all", *dict.fromkeys(sets)]:
+            rows = [i for i, s in enumerate(sets) if set_name in ("all", s)]
+            cells = {}
+            for n in names:
+                r = tau_ratio(per[n][rows][None], per[names[0]][rows][None])
+                cells[n] = {"tau": r["tau_a"], "interval": r["tau_a_interval"]}
+                if n != names[0]:
+                    cells[n].update(ratio=r["ratio"], ratio_interval=r["ratio_interval"])
+            out.setdefault(method, {})[set_name] = cells
+    return out
+
+
+def format_comparison(comparison: dict, names: list[str]) -> str:
+    """Markdown: tau [95% interval] per drafter, and each one's ratio to the first, per method and set."""
+    head = [f"{n}" for n in names] + [f"{n} / {names[0]}" for n in names[1:]]
+    rows = ["| method | set | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+    for method, by_set in comparison.items():
+        for set_name, cells in by_set.items():
+            taus = [f"{c['tau']:.3f} [{c['interval'][0]:.3f}, {c['interval'][1]:.3f}]" for c in cells.values()]
+            ratios = [
+                f"{cells[n]['ratio']:.3f} [{cells[n]['ratio_interval'][0]:.3f}, {cells[n]['ratio_interval'][1]:.3f}]"
+                for n in names[1:]
+            ]
+            rows.append(f"| {method} | {set_name} | " + " | ".join(taus + ratios) + " |")
+    return "\n".join(rows) + "\n\nIntervals: 95% bootstrap over prompts (ratios paired by prompt)."
+
+
 def _report(cfg: EvalConfig, result: dict) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table = format_table(result)
+    result["comparison"] = compare(result)
+    table = format_table(result) + "\n\n" + format_comparison(result["comparison"], list(result["drafters"]))
     (out / "table.md").write_text(table + "\n")
     plots = plot_evaluation(result, out)
     result["plots"] = [str(p) for p in plots]

@@ -43,12 +43,13 @@ def sequence_stream(
 ) -> Iterator[tuple[HiddenStateSequence, DataPosition]]:
     """This worker's training sequences, epoch after epoch (reshuffled), from `position` on (data: a collection's
     location, or online shards)."""
-    epoch, skip = position.epoch, position.consumed
+    epoch, skip, first = position.epoch, position.consumed, position.first_shard
     while True:
-        for k, seq in enumerate(ShardReader(data, "train", rank, world, seed=seed + epoch)):
+        reader = ShardReader(data, "train", rank, world, seed=seed + epoch, start_shard=first)
+        for k, seq in enumerate(reader):
             if k >= skip:
-                yield seq, DataPosition(epoch, k + 1)
-        epoch, skip = epoch + 1, 0
+                yield seq, DataPosition(epoch, k + 1, reader.shards_read, first)
+        epoch, skip, first = epoch + 1, 0, 0
 
 
 def batches(stream, batch_tokens: int) -> Iterator[tuple[list[HiddenStateSequence], DataPosition]]:

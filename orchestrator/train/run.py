@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from orchestrator.train.config import TrainConfig
 from orchestrator.train.loop import train_loop_per_worker
 from orchestrator.train.plots import plot_training
 from orchestrator.train.progress import TrainingBar
+from orchestrator.train.state import DataPosition
 from orchestrator.train.vocab import count_sequences, count_tokens, coverage, draft_vocab, size_for_coverage
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,14 @@ def _resolve_paths(cfg: TrainConfig) -> TrainConfig:
     return cfg.model_copy(update=updates)
 
 
+def data_plan_sha256(manifest: dict) -> str:
+    """What the data stream is made of: the shards' names, splits and counts and the aux layers, not their bytes
+    (a capture on another machine, or online, plans the same shards; floating-point bytes may differ)."""
+    keys = ("name", "split", "num_tokens", "num_sequences", "num_loss_tokens")
+    plan = [manifest["aux_layer_ids"], [{k: r.get(k) for k in keys} for r in manifest["shards"]]]
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
 def continued(cfg: TrainConfig) -> tuple[TrainConfig, dict | None]:
     """`drafter.continue_from` resolved: when that directory holds a drafter, the config warm-starts from it under
     a run name of its own (the committed weights' sha256: a stopped run on this machine resumes, the next increment
@@ -177,8 +187,9 @@ def run_training(cfg: TrainConfig) -> dict:
 
     starts = None
     if previous is not None:
-        same_data = previous.get("data_manifest_sha256") == manifest_sha
-        starts = previous.get("data_positions") if same_data else None
+        same_data = previous.get("data_plan_sha256") == data_plan_sha256(manifest)
+        if same_data and previous.get("data_positions"):  # a new stream after the shards it read whole
+            starts = [asdict(DataPosition(**p).continue_at()) for p in previous["data_positions"]]
         log.info(
             "continuing %s (%s tokens so far) %s",
             cfg.drafter.init_from,
@@ -249,6 +260,7 @@ def run_training(cfg: TrainConfig) -> dict:
         raise AerieError(f"training {cfg.name} ended without a checkpoint ({result.error})")
     with result.checkpoint.as_directory() as ckpt:
         out = _finish(cfg, Path(ckpt), mlflow, run_id, config, manifest_sha, cover, model_dir, result.metrics)
+    out["data_plan_sha256"] = data_plan_sha256(manifest)
     before = previous or {}
     out["tokens_cumulative"] = before.get("tokens_cumulative", before.get("tokens", 0)) + out["tokens"]
     out["steps_cumulative"] = before.get("steps_cumulative", before.get("steps", 0)) + out["steps"]

@@ -29,8 +29,19 @@ class Progress:
 
 @dataclass
 class DataPosition:
+    """Where a worker's data stream is. A checkpoint resumes it exactly (the epoch's stream from `first_shard`,
+    `consumed` sequences skipped); a committed drafter trained on later (`continue_from`) starts a new stream at
+    `shards_read` (`continue_at`), so online capture never redoes what was read, and the sequences waiting in the
+    shuffle buffer at the stop are not seen this epoch."""
+
     epoch: int = 0
     consumed: int = 0  # sequences taken from this epoch's stream
+    shards_read: int = 0  # this epoch's shards (in its shuffled order) read whole into the shuffle buffer
+    first_shard: int = 0  # where this epoch's stream began in that order
+
+    def continue_at(self) -> DataPosition:
+        """A new stream after the shards this one read whole."""
+        return DataPosition(self.epoch, 0, self.shards_read, self.shards_read)
 
 
 def save_state(out: Path, drafter: Drafter, optimizer: torch.optim.Optimizer, progress: Progress) -> None:

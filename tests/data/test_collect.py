@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -329,5 +330,18 @@ def test_online_shards_give_the_offline_batches_with_bounded_prefetch(config, lo
         assert online.most_ahead <= 2 and not (local_run / "online").exists()
         position = offline[3][1]
         same(first(str(local_run), 3, position), first(OnlineShards(manifest, planned.plans, workers, 1), 3, position))
+        # A committed drafter trained on in a later session: a new stream after the shards read whole; online,
+        # those are never captured again.
+        at = offline[1][1]
+        assert at.epoch == 0 and at.shards_read > 0
+        later, asked = OnlineShards(manifest, planned.plans, workers, 1), []
+        submit = later._submit
+        later._submit = lambda name: asked.append(name) or submit(name)
+        again = first(later, 2, at.continue_at())
+        same(first(str(local_run), 2, at.continue_at()), again)
+        order = [s["name"] for s in manifest["shards"] if s["split"] == "train"]
+        random.Random(3).shuffle(order)  # epoch 0's order (seed 3 + epoch), as the reader draws it
+        assert asked and not set(asked) & set(order[: at.shards_read])
+        assert all(p.first_shard == at.shards_read for _, p in again if p.epoch == 0)
     finally:
         ray.shutdown()
