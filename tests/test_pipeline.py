@@ -234,3 +234,28 @@ def test_a_fine_tuned_candidate_must_beat_its_base_on_new_data_and_hold_on_mtben
     assert gate["production"] == "drafters/base" and gate["passed"] == passed
     assert gate["production_tau"] == {"validation": 1.7, "mtbench": 1.5}
     assert (f"failed on {failed_on}" in gate["reason"]) if failed_on else ("failed" not in gate["reason"])
+
+
+def test_the_candidate_is_fine_tuned_from_its_base_and_the_baseline_starts_fresh(tmp_path, monkeypatch):
+    """configs/smollm2-135m/pipeline.yaml's train stage: EAGLE-3.1 from the committed drafter (its vocabulary: no
+    coverage sizing), EAGLE-3 from scratch."""
+    from orchestrator.config import load_config
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config(PipelineConfig, "configs/smollm2-135m/pipeline.yaml", [f"output_dir={tmp_path}"])
+    assert (REPO / cfg.train.init_from["eagle3.1"] / "model.safetensors").is_file()
+    seen = {}
+
+    def fake_training(train_cfg):
+        seen[train_cfg.drafter.variant] = train_cfg.drafter
+        return {"registered": None, "mlflow_run_id": None, "exported": str(tmp_path)}
+
+    monkeypatch.setattr("orchestrator.train.run.run_training", fake_training)
+    pipeline = Pipeline(cfg)
+    monkeypatch.setattr(pipeline, "adopt", lambda run_id: None)
+    collection = {"output": str(tmp_path / "collection"), "manifest_sha256": "sha"}
+    for variant in ("eagle3.1", "eagle3"):
+        pipeline.train(tmp_path / "model", collection, variant)
+    assert seen["eagle3.1"].init_from == cfg.train.init_from["eagle3.1"]
+    assert seen["eagle3.1"].draft_vocab_coverage is None
+    assert seen["eagle3"].init_from is None
