@@ -14,7 +14,7 @@ its provenance to generate it again). With `commit` on, each chunk is committed 
 
 Degenerate answers are filtered when a corpus is loaded, not when it is written, so a better filter needs no new
 generation: an assistant turn whose token 4-grams are less than half distinct (a loop such as "I'm sorry, I'm
-sorry, ...") ends its conversation before that turn; a conversation left with no assistant turn is dropped.
+sorry, ...") is trained on only up to where its loop repeats (`drop_degenerate`).
 """
 
 from __future__ import annotations
@@ -101,23 +101,50 @@ def repetitive(ids: list[int], n: int = REPEAT_NGRAM, threshold: float = MIN_DIS
     return len(set(grams)) / len(grams) < threshold
 
 
+def loop_start(ids: list[int], key: int = 8, span: int = 24) -> int:
+    """Where a loop's second copy begins: the first position whose next `span` tokens repeat, token for token,
+    `span` tokens that began earlier at the same `key`-gram; len(ids) when nothing repeats that long."""
+    first: dict[tuple[int, ...], int] = {}
+    for j in range(len(ids) - span + 1):
+        gram = tuple(ids[j : j + key])
+        if gram not in first:
+            first[gram] = j
+        elif ids[j : j + span] == ids[first[gram] : first[gram] + span]:
+            return j
+    return len(ids)
+
+
 def drop_degenerate(conversations: list[Conversation], tokenizer) -> tuple[list[Conversation], dict]:
-    """Each conversation cut before its first repetitive assistant turn (and dropped when no assistant turn
-    remains); returns the kept conversations and what was cut."""
-    kept, cut_turns, dropped = [], 0, 0
+    """Repetitive assistant turns filtered. One with at least MIN_TOKENS_TO_JUDGE tokens before its loop repeats
+    stays in the conversation (later turns were written after it) but is trained on only up to there:
+    `loss_tokens` (templates.render_conversation reads it). One that loops sooner ends its conversation, its
+    question cut with it; a conversation left without an assistant turn is dropped. Returns the kept
+    conversations and what was done, with the assistant tokens left to train on."""
+    kept, stats = [], {"masked_turns": 0, "tokens_masked": 0, "cut_turns": 0, "conversations_dropped": 0}
+    trained = 0
     for conv in conversations:
-        end = len(conv.messages)
-        for i, m in enumerate(conv.messages):
-            if m["role"] == "assistant" and repetitive(message_ids(m, tokenizer)):
-                end = i - 1 if i > 0 and conv.messages[i - 1]["role"] == "user" else i  # its question goes too
-                cut_turns += 1
-                break
-        messages = conv.messages[:end]
+        messages = []
+        for m in conv.messages:
+            ids = message_ids(m, tokenizer)
+            if m["role"] == "assistant" and repetitive(ids):
+                start = loop_start(ids)
+                if start < MIN_TOKENS_TO_JUDGE:
+                    if messages and messages[-1]["role"] == "user":
+                        messages.pop()
+                    stats["cut_turns"] += 1
+                    break
+                m = {**m, "loss_tokens": start}
+                stats["masked_turns"] += 1
+                stats["tokens_masked"] += len(ids) - start
+            messages.append(m)
         if any(m["role"] == "assistant" for m in messages):
             kept.append(Conversation(conv.id, messages, conv.source))
+            trained += sum(
+                m.get("loss_tokens", len(message_ids(m, tokenizer))) for m in messages if m["role"] == "assistant"
+            )
         else:
-            dropped += 1
-    return kept, {"degenerate_turns_cut": cut_turns, "conversations_dropped": dropped}
+            stats["conversations_dropped"] += 1
+    return kept, {**stats, "assistant_tokens_trained": trained}
 
 
 def message_ids(message: dict, tokenizer=None) -> list[int]:

@@ -36,6 +36,17 @@ def _render(tokenizer, messages: list[dict], template: str | None, generation_pr
     )
 
 
+def _loss_end(tokenizer, full: str, start: int, message: dict) -> int:
+    """Where the text of a message's first `loss_tokens` generated tokens ends in the rendered conversation."""
+    prefix = tokenizer.decode(message["token_ids"][: message["loss_tokens"]], skip_special_tokens=True).lstrip()
+    content = message["content"]
+    same = next(
+        (k for k, (a, b) in enumerate(zip(prefix, content, strict=False)) if a != b), min(len(prefix), len(content))
+    )
+    at = full.find(content[:same], start) if same else start
+    return (at if at >= 0 else start) + same
+
+
 def render_conversation(
     tokenizer, messages: list[dict], template: str | None = None, name: str = "default", max_tokens: int | None = None
 ) -> Rendered:
@@ -49,6 +60,8 @@ def render_conversation(
         end = len(_render(tokenizer, messages[: i + 1], template, False))
         if not full.startswith(_render(tokenizer, messages[: i + 1], template, False)):
             raise AerieError(f"chat template {name!r} does not render conversations prefix by prefix")
+        if "loss_tokens" in m:  # trained only up to there (data/corpus.py: where a loop starts repeating)
+            end = min(end, _loss_end(tokenizer, full, start, m))
         spans.append((start, end))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)

@@ -64,29 +64,36 @@ def test_the_manifest_lists_every_chunk_with_totals(tmp_path):
     assert json.loads((tmp_path / corpus.MANIFEST).read_text()) == manifest
 
 
-def test_repetition_loops_are_cut_with_their_question():
-    loop = [5, 6, 7] * 30
-    natural = list(range(200))
-    assert corpus.repetitive(loop)
-    assert not corpus.repetitive(natural)
+def test_a_looping_answer_is_trained_up_to_its_loop_and_an_early_loop_ends_the_conversation():
+    natural = list(range(100, 300))
+    loop = list(range(60)) + [5, 6, 7, 8, 9] * 40  # 60 good tokens, then a 5-token loop
+    assert corpus.repetitive(loop) and not corpus.repetitive(natural)
     assert not corpus.repetitive([1] * 20)  # too short to judge
+    assert corpus.loop_start(loop) == 65  # the second copy of the 5-token period
+    assert corpus.loop_start(natural) == len(natural)
     convs = [
         Conversation(
-            "two-turns",
+            "masked",
             [
                 {"role": "user", "content": "q1"},
-                {"role": "assistant", "content": "fine", "token_ids": natural},
-                {"role": "user", "content": "q2"},
                 {"role": "assistant", "content": "loop", "token_ids": loop},
+                {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "fine", "token_ids": natural},
+                {"role": "user", "content": "q3"},
+                {"role": "assistant", "content": "early loop", "token_ids": [5, 6, 7] * 30},
             ],
         ),
-        _conv(1, loop),
+        _conv(1, [5, 6, 7] * 30),  # a loop from its first token: nothing to keep
         Conversation("human", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a b " * 40}]),
     ]
     kept, stats = corpus.drop_degenerate(convs, WordTokenizer())
-    assert [c.id for c in kept] == ["two-turns"]
-    assert [m["content"] for m in kept[0].messages] == ["q1", "fine"]
-    assert stats == {"degenerate_turns_cut": 3, "conversations_dropped": 2}
+    assert [c.id for c in kept] == ["masked"]
+    messages = kept[0].messages
+    assert [m["content"] for m in messages] == ["q1", "loop", "q2", "fine"]  # q3 went with its answer
+    assert messages[1]["loss_tokens"] == 65 and "loss_tokens" not in messages[3]
+    assert stats["masked_turns"] == 1 and stats["tokens_masked"] == len(loop) - 65
+    assert stats["cut_turns"] == 3 and stats["conversations_dropped"] == 2
+    assert stats["assistant_tokens_trained"] == 65 + len(natural)
 
 
 def test_each_chunk_is_committed_alone(tmp_path, monkeypatch):

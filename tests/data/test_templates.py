@@ -58,3 +58,25 @@ def test_system_prompts_are_drawn_per_conversation(smollm2_tokenizer):
     assert not any("rule." in t for (c, v), t in texts.items() if v == "plain")
     again = render_all(cfg, convs, smollm2_tokenizer)
     assert [s.input_ids.tolist() for s in again["train"]] == [s.input_ids.tolist() for s in rendered["train"]]
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3_TEMPLATE], ids=["chatml", "llama3-headers"])
+def test_a_looping_answer_is_trained_only_up_to_its_loop(smollm2_tokenizer, template):
+    """data/corpus.py marks a looping answer with loss_tokens: its first tokens are trained on, the loop and its
+    end token are context only; later turns are trained on as usual."""
+    tok = smollm2_tokenizer
+    answer = "Paris is the capital. It is large. It is large. It is large. It is large."
+    ids = tok(answer, add_special_tokens=False)["input_ids"]
+    keep = len(tok("Paris is the capital. It is large.", add_special_tokens=False)["input_ids"])
+    messages = [
+        {"role": "user", "content": "Tell me about Paris"},
+        {"role": "assistant", "content": answer, "token_ids": ids, "loss_tokens": keep},
+        {"role": "user", "content": "And Rome?"},
+        {"role": "assistant", "content": "Rome is old."},
+    ]
+    r = render_conversation(tok, messages, template)
+    trained = tok.decode(r.input_ids[r.loss_mask])
+    assert trained.startswith("Paris is the capital. It is large.")
+    assert trained.count("It is large") == 1 and "Rome is old." in trained
+    plain = render_conversation(tok, [{k: v for k, v in m.items() if k != "loss_tokens"} for m in messages], template)
+    assert int(plain.loss_mask.sum()) > int(r.loss_mask.sum())
