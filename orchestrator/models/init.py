@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from orchestrator.errors import AerieError
 from orchestrator.models.drafter import Drafter, DrafterConfig
+from orchestrator.models.layers import fuse_layer_weights
 from orchestrator.models.target import TargetModel
 
 
@@ -51,3 +53,25 @@ def target_head_weight(target: TargetModel) -> torch.Tensor:
     """The target's lm_head weight [vocab, hidden] (dense, also when packed for oneDNN)."""
     weight = target.lm_head.weight
     return weight.to_dense() if weight.is_mkldnn else weight
+
+
+def copy_target_layer(drafter: Drafter, tensors: dict[str, torch.Tensor], layer: int) -> None:
+    """The drafter's decoder layer started as the target's layer `layer` (Hugging Face names in `tensors`): the
+    attention's q/k/v read the hidden half of the drafter's [embedding; hidden] input with the target's weights
+    (the embedding half starts at zero, so the layer first acts on the fused target state as the target's own
+    layer would), o_proj, the MLP and the norms as they are (the target's input norm becomes `hidden_norm`)."""
+    fused = fuse_layer_weights(tensors, f"model.layers.{layer}.")
+    if "self_attn.qkv_proj.weight" not in fused:
+        raise AerieError(f"the target has no decoder layer {layer} to start the drafter's layer from")
+    first = drafter.layers[0]
+    hidden = drafter.config.decoder.hidden_size
+    with torch.no_grad():
+        qkv = first.self_attn.qkv_proj.weight  # [q + 2 kv, 2H]: [embedding half | hidden half]
+        qkv.zero_()
+        qkv[:, hidden:].copy_(fused.pop("self_attn.qkv_proj.weight"))
+        fused["hidden_norm.weight"] = fused.pop("input_layernorm.weight")
+        state = first.state_dict()
+        for name, tensor in fused.items():
+            if name not in state or state[name].shape != tensor.shape:
+                raise AerieError(f"target layer {layer}'s {name} {tuple(tensor.shape)} does not fit the drafter")
+            state[name].copy_(tensor)

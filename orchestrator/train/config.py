@@ -28,6 +28,12 @@ class DrafterSpec(StrictModel):
     init_from: str | None = Field(
         None, description="warm start: a drafter directory, s3:// URI or models:/NAME/VERSION | models:/NAME@ALIAS"
     )
+    init_layer_from: int | None = Field(
+        None,
+        ge=0,
+        description="start the drafter's decoder layer from the target's layer N (a fresh drafter only; the head and "
+        "norm always start from the target's)",
+    )
     continue_from: str | None = Field(
         None,
         description="a committed drafter directory (aerie convert-drafter's, with provenance.json) to go on training "

@@ -23,7 +23,7 @@ from orchestrator.data.reader import HiddenStateSequence, ShardReader
 from orchestrator.errors import AerieError
 from orchestrator.models.checkpoint import load_drafter
 from orchestrator.models.drafter import DrafterConfig
-from orchestrator.models.init import new_drafter
+from orchestrator.models.init import copy_target_layer, new_drafter
 from orchestrator.models.target import load_safetensors_dir, read_hf_config
 from orchestrator.train.config import TrainConfig
 from orchestrator.train.objective import (
@@ -100,6 +100,16 @@ def build_model(
     head = weights.get("lm_head.weight", embed).float()
     config = DrafterConfig.for_target(hf, aux, vocab.numel(), cfg.drafter.variant, **cfg.drafter.flags())
     drafter = new_drafter(config, head, weights["model.norm.weight"].float(), vocab, cfg.drafter.seed)
+    if cfg.drafter.init_layer_from is not None and not init_from_dir:
+        prefix = f"model.layers.{cfg.drafter.init_layer_from}."
+        parts = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+        names = [f"{prefix}{p}.{kind}" for p in parts for kind in ("weight", "bias")]
+        names += [
+            f"{prefix}{n}.weight"
+            for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+        ]
+        layer = load_safetensors_dir(model_dir, names, missing_ok=True)
+        copy_target_layer(drafter, {k: v.float() for k, v in layer.items()}, cfg.drafter.init_layer_from)
     if init_from_dir:
         warm = load_drafter(init_from_dir, target_num_layers=hf["num_hidden_layers"])
         drafter.load_state_dict(warm.state_dict())
