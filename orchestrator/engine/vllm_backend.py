@@ -101,8 +101,8 @@ class VllmGenerator:
             spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_spec_tokens}
         env = {}
         if all_cores and not torch.cuda.is_available():
-            cores = sorted(os.sched_getaffinity(0))
-            env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            cores = cpu_thread_binding(1, sorted(os.sched_getaffinity(0)))
+            env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         with engine_env(env):
             self.llm = vllm.LLM(
                 model=str(model_dir),
