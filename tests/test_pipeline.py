@@ -145,6 +145,7 @@ def _config_class(stem: str):
         "evaluate": EvalConfig,
         "diagnose": DiagnoseConfig,
         "extrapolation": ExtrapolationConfig,
+        "recipes": ExtrapolationConfig,
         "deploy": DeployConfig,
         "pipeline": PipelineConfig,
         "benchmark_generate": BenchmarkGenerateConfig,

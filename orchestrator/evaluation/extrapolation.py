@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # condition -> the evaluation rows (set, label or "*") it pools
 CONDITIONS: dict[str, list[tuple[str, str]]] = {
     "training distribution (held-out)": [("validation", "*")],
+    "MT-Bench (both turns)": [("mtbench", "*")],
     "MT-Bench, training template": [("templates", "chatml-default")],
     "context <= 1024": [("long_context", "<=1024")],
     "context <= 2048": [("long_context", "<=2048")],
@@ -64,6 +65,19 @@ class ExtrapolationConfig(StrictModel):
     spec: SpecConfig = Field(default_factory=lambda: SpecConfig(method="chain", num_spec_tokens=5))
     max_tokens: int = Field(96, ge=1, description="tokens generated per prompt (greedy, stops at EOS)")
     variants: list[str] = Field(["eagle3", "eagle3.1"], min_length=2, max_length=2, description="baseline, candidate")
+    arms: dict[str, list[str]] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="instead of variants: two named sets of training overrides, baseline first, everything else "
+        "equal (the same data, budget and seeds), e.g. {vocab-4096: [drafter.draft_vocab_size=4096], vocab-8192: "
+        "[drafter.draft_vocab_size=8192]}: a recipe choice measured at equal training time",
+    )
+
+    def arm_overrides(self) -> dict[str, list[str]]:
+        """Each compared arm's training overrides (the variants' by default)."""
+        return self.arms or {v: [f"drafter.variant={v}"] for v in self.variants}
+
     seeds: list[int] = Field([0, 1, 2], min_length=1)
     output_dir: str
     mlflow_tracking_uri: str | None = None
@@ -98,14 +112,15 @@ def run_extrapolation(cfg: ExtrapolationConfig) -> dict:
     model_dir = resolve_model(collect.model)
     tracking = [f"mlflow.tracking_uri={cfg.mlflow_tracking_uri}"] if cfg.mlflow_tracking_uri else []
     trains = {}
+    arms = cfg.arm_overrides()
     for seed in cfg.seeds:
-        for variant in cfg.variants:
-            name = f"extrapolation-{variant}-seed{seed}"
+        for arm, overrides in arms.items():
+            name = f"extrapolation-{arm}-seed{seed}"
             wiring = [
+                *overrides,
                 f"name={name}",
                 f"data={collect.output}",
                 f"output={out / 'drafters' / name}",
-                f"drafter.variant={variant}",
                 f"drafter.seed={seed}",
                 f"seed={seed}",
                 "mlflow.registered_model=null",
@@ -148,10 +163,10 @@ def run_extrapolation(cfg: ExtrapolationConfig) -> dict:
         lambda r: "drafters" in r,  # kept whole in state.json
     )
     result = {
-        "variants": cfg.variants,
+        "variants": list(arms),
         "seeds": cfg.seeds,
         "training": {n: {k: r[k] for k in ("steps", "tokens", "train_minutes")} for n, r in trained.items()},
-        "conditions": conditions(evaluation, cfg.variants, cfg.seeds),
+        "conditions": conditions(evaluation, list(arms), cfg.seeds),
     }
     return _report(cfg, result, out)
 
@@ -242,12 +257,12 @@ def _report(cfg: ExtrapolationConfig, result: dict, out: Path) -> dict:
     mlflow = client(cfg.mlflow_tracking_uri)
     exp = mlflow.get_experiment_by_name(cfg.mlflow_experiment)
     exp_id = exp.experiment_id if exp else mlflow.create_experiment(cfg.mlflow_experiment)
-    run = mlflow.create_run(exp_id, run_name="extrapolation " + " vs ".join(cfg.variants))
+    run = mlflow.create_run(exp_id, run_name="extrapolation " + " vs ".join(result["variants"]))
     metrics = []
     for condition, c in result["conditions"].items():
         key = "".join(ch if ch.isalnum() else "_" for ch in condition).strip("_")
         metrics.append(Metric(f"ratio.{key}", c["ratio"], 0, 0))
-        metrics += [Metric(f"tau.{v}.{key}", c[v]["tau"], 0, 0) for v in cfg.variants]
+        metrics += [Metric(f"tau.{v}.{key}", c[v]["tau"], 0, 0) for v in result["variants"]]
     params = [Param(k, str(v)[:500]) for k, v in redact(cfg.model_dump(mode="json")).items()]
     mlflow.log_batch(run.info.run_id, metrics=metrics, params=params)
     result["mlflow_run_id"] = run.info.run_id

@@ -78,7 +78,9 @@ def test_the_job_trains_every_variant_and_seed_once_and_resumes(tmp_path, tiny_d
         return {"output": cfg.output, "total_tokens": 100}
 
     def fake_train(cfg):
-        calls["train"].append((cfg.drafter.variant, cfg.drafter.seed, cfg.seed, cfg.name, cfg.data))
+        calls["train"].append(
+            (cfg.drafter.variant, cfg.drafter.seed, cfg.seed, cfg.name, cfg.data, cfg.drafter.draft_vocab_size)
+        )
         Path(cfg.output).mkdir(parents=True)
         (Path(cfg.output) / "config.json").write_text("{}")
         return {"exported": cfg.output, "steps": 3, "tokens": 30, "train_minutes": 0.1, "mlflow_run_id": cfg.name}
@@ -118,5 +120,21 @@ def test_the_job_trains_every_variant_and_seed_once_and_resumes(tmp_path, tiny_d
     assert (tmp_path / "out" / "ratios.png").is_file() and result["mlflow_run_id"]
     run_extrapolation(cfg)  # a rerun: everything was done with the same inputs
     assert calls["collect"] == 1 and len(calls["train"]) == 4 and calls["evaluate"] == 1
+
     run_extrapolation(cfg.model_copy(update={"seeds": [0, 1, 2]}))  # one more seed: two trainings, a new evaluation
     assert len(calls["train"]) == 6 and calls["evaluate"] == 2
+
+    # A recipe choice instead of the variants: two arms of overrides, the same data, budget and seeds.
+    calls["train"].clear()
+    arms = {
+        "vocab-4096": ["drafter.variant=eagle3.1", "drafter.draft_vocab_size=4096"],
+        "vocab-8192": ["drafter.variant=eagle3.1", "drafter.draft_vocab_size=8192"],
+    }
+    result = run_extrapolation(cfg.model_copy(update={"arms": arms, "output_dir": str(tmp_path / "arms")}))
+    assert sorted((c[3], c[1], c[5]) for c in calls["train"]) == [
+        ("extrapolation-vocab-4096-seed0", 0, 4096), ("extrapolation-vocab-4096-seed1", 1, 4096),
+        ("extrapolation-vocab-8192-seed0", 0, 8192), ("extrapolation-vocab-8192-seed1", 1, 8192),
+    ]  # fmt: skip
+    assert (
+        result["variants"] == ["vocab-4096", "vocab-8192"] and "vocab-8192" in result["conditions"]["context <= 4096"]
+    )
