@@ -192,8 +192,9 @@ def write_manifest(folder: Path, made: dict) -> dict:
             }
         )
     totals: dict = {"chunks": len(chunks)}
+    keys = ("bytes", "seconds", *counts([]))
     for c in chunks:
-        for key in ("bytes", "seconds", *counts([]).keys()):
+        for key in keys:
             totals[key] = round(totals.get(key, 0) + (c.get(key) or 0), 1)
     manifest = {"format": "aerie-corpus/1", **made, "totals": totals, "chunks": chunks}
     tmp = folder / (MANIFEST + ".tmp")
