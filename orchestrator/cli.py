@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from pydantic import ValidationError
 
 from orchestrator.errors import AerieError
 from orchestrator.redaction import redact_text
+
+log = logging.getLogger(__name__)
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -238,10 +241,66 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from orchestrator.serving.rollout import serve_app
-
     serve_app(args.config, args.overrides, args.address, args.host, args.port, backend=args.backend)
     return 0
+
+
+def serve_app(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    address: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    blocking: bool = True,
+    backend: str | None = None,
+) -> str:
+    """`aerie serve [--backend vllm|disaggregated] [--config FILE] [key=value ...]`: deploy the config's first
+    application behind the router on Ray (local, or the cluster at `address`) as backend `NAME-1`, so that
+    `jobs.deploy` can later roll a new drafter out to it; returns the URL clients use."""
+    from orchestrator.cluster import configured_address
+    from orchestrator.serving.guard import API_KEY_ENV, API_KEY_FILE_ENV, default_key_file, ensure_local_key
+    from orchestrator.serving.launch import BACKENDS, backend_of, read_serve_config
+    from orchestrator.serving.rollout import DeployConfig, deploy_initial
+
+    if path is None:
+        if backend is None:
+            raise AerieError("give --config FILE or --backend vllm|disaggregated (its default config)")
+        path = BACKENDS[backend][1]
+    config, app = read_serve_config(path, overrides)
+    if backend is not None and backend_of(app["import_path"]) != backend:
+        raise AerieError(
+            f"{path} is not a {backend} config (import_path {app['import_path']}); "
+            f"the {backend} backend's is {BACKENDS[backend][1]}"
+        )
+    http = dict(config.get("http_options") or {})
+    host, port = host or http.get("host", "127.0.0.1"), port or http.get("port", 8000)
+    name, route = app.get("name", "aerie"), app.get("route_prefix") or "/"
+    cfg = DeployConfig(
+        app=str(path),
+        app_overrides=list(overrides or []),
+        name=name,
+        route_prefix=route,
+        address=address,
+        host=host,
+        port=port,
+    )
+    url = f"http://{host}:{port}{route.rstrip('/')}"
+    if not configured_address(address):
+        written = ensure_local_key()  # a server on this machine: a random key unless one is configured
+        if written is not None:
+            print(f"wrote a new API key to {written}", flush=True)
+    log.info("deploying %s at %s", name, url)
+    deploy_initial(cfg)
+    print(f"serving {name} at {url}", flush=True)
+    if not (os.environ.get(API_KEY_ENV) or os.environ.get(API_KEY_FILE_ENV)):
+        print(f"clients need its API key: export OPENAI_API_KEY=$(cat {default_key_file()})", flush=True)
+    if blocking:  # until Ctrl-C or SIGTERM (`kill`, a service manager): Ray and the noted address go with it
+        from orchestrator.jobrunner import interrupt_on_sigterm
+
+        interrupt_on_sigterm()
+        while True:
+            time.sleep(3600)
+    return url
 
 
 def build_parser() -> argparse.ArgumentParser:

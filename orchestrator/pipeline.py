@@ -36,8 +36,9 @@ from typing import Literal
 from pydantic import Field
 
 from orchestrator.config import StrictModel, load_config
-from orchestrator.data.synthetic import cache_key as fingerprint  # one hash of JSON-able parts
 from orchestrator.errors import AerieError
+from orchestrator.fingerprint import fingerprint
+from orchestrator.tracking.store import ModelUri
 
 log = logging.getLogger(__name__)
 PIPELINE_TAG = "aerie.pipeline"
@@ -229,15 +230,12 @@ class Pipeline:
 
     def find_cluster(self) -> None:
         """The running cluster every stage uses, or None (stages start a private Ray; no deployment)."""
-        import os
-
         import ray
 
-        from orchestrator.jobrunner import connect_to_running_cluster
+        from orchestrator.cluster import connect_to_running_cluster
 
         try:
-            connect_to_running_cluster(self.cfg.ray_address)
-            self.cluster = self.cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+            self.cluster = connect_to_running_cluster(self.cfg.ray_address)
             self.say(f"on the running Ray cluster ({ray.get_runtime_context().gcs_address})")
         except AerieError as err:
             if self.cfg.deploy.when == "always":
@@ -400,9 +398,8 @@ class Pipeline:
     def _version_exists(self, uri: str | None) -> bool:
         if not uri:
             return False
-        name, _, version = uri[len("models:/") :].partition("/")
         try:
-            self.mlflow.get_model_version(name, version)
+            ModelUri.parse(uri).resolve(self.mlflow)
         except Exception:
             return False
         return True
@@ -504,7 +501,8 @@ class Pipeline:
     def _tag_versions(self, trained: dict, evaluation: dict, gate: dict, collection: dict) -> None:
         """What a user walking back from a version needs: data, training, evaluation, the gate, this pipeline."""
         for variant, result in trained.items():
-            name, _, version = result["registered"][len("models:/") :].partition("/")
+            registered = ModelUri.parse(result["registered"])
+            name, version = registered.name, registered.version
             location, sha = collection["output"], collection["manifest_sha256"]
             if location == "online":  # the manifest the training planned and hashed; the config it came from
                 location = f"online:{self.cfg.collect.config}"

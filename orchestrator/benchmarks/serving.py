@@ -22,7 +22,7 @@ from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
-from orchestrator.serving.launch import backend_of, read_serve_config
+from orchestrator.serving.launch import backend_of, build_application, read_serve_config
 from orchestrator.spec.acceptance import Acceptance
 
 log = logging.getLogger(__name__)
@@ -336,7 +336,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     alternating order (ABBA...), so the machine's drift falls on both sides of every ratio."""
     from ray import serve
 
-    from orchestrator.jobrunner import init_ray, starts_private_ray
+    from orchestrator.cluster import init_ray, starts_private_ray
     from orchestrator.serving.guard import keys_for_servers
 
     _, app = read_serve_config(cfg.app, cfg.app_overrides)
@@ -409,14 +409,13 @@ class _Deployed:
         import httpx
         from ray import serve
 
-        from orchestrator.serving.app import _import
         from orchestrator.serving.guard import auth_headers
 
         self.cfg, self.mode, self.key = cfg, mode, f"{label}{mode}"
         self.vllm = backend_of(app["import_path"]) == "vllm"
         self.name = f"bench-{label}{mode}"
         log.info("deploying %s", self.name)
-        built = _import(app["import_path"])(app["args"] | {"speculation": mode == "spec"})
+        built = build_application(app, speculation=mode == "spec")
         serve.run(built, name=self.name, route_prefix=f"/{self.name}")
         self.url = f"http://127.0.0.1:{cfg.port}/{self.name}"
         self.model = httpx.get(f"{self.url}/v1/models", headers=auth_headers(), timeout=60).json()["data"][0]["id"]
@@ -448,8 +447,8 @@ class _Deployed:
 def _counters(url: str, app: str, vllm: bool):
     import httpx
 
+    from orchestrator.serving.counters import vllm_counters
     from orchestrator.serving.guard import auth_headers
-    from orchestrator.serving.rollout import vllm_counters
 
     return vllm_counters(app) if vllm else httpx.get(f"{url}/stats", headers=auth_headers(), timeout=60).json()
 

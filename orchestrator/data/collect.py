@@ -22,6 +22,7 @@ import torch
 from pydantic import Field, model_validator
 from tqdm import tqdm
 
+from orchestrator.cluster import WorkerResources, init_ray
 from orchestrator.config import StrictModel
 from orchestrator.data import corpus
 from orchestrator.data.conversations import (
@@ -49,14 +50,13 @@ from orchestrator.data.synthetic import (
     RegenerateConfig,
     SyntheticConfig,
     answer_turns,
-    cache_key,
     normalise,
     synthesise_prompts,
 )
 from orchestrator.data.templates import render_conversation
 from orchestrator.errors import AerieError
-from orchestrator.jobrunner import init_ray
-from orchestrator.models.device import DTYPES, DeviceName, DtypeName, device_name, dtype_name
+from orchestrator.fingerprint import fingerprint
+from orchestrator.models.device import DTYPES, DtypeName, dtype_name
 from orchestrator.models.target import check_target_supported, default_aux_layer_ids, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -94,18 +94,6 @@ class TemplateVariant(StrictModel):
     )
 
 
-class WorkerResources(StrictModel):
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. gb200: 1")
-    torch_threads: int = Field(2, ge=1)
-    device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
-
-    def torch_device(self) -> str:
-        """The capture worker's torch device (auto: its GPU when it reserves one)."""
-        return device_name(self.device, self.num_gpus)
-
-
 class CollectConfig(StrictModel):
     """`python -m jobs.collect_hidden_states` settings."""
 
@@ -133,7 +121,7 @@ class CollectConfig(StrictModel):
     batch_tokens: int = Field(4096, ge=1, description="tokens per target forward")
     output: str = Field(description="local directory or s3://bucket/prefix")
     num_workers: int = Field(1, ge=1)
-    worker: WorkerResources = Field(default_factory=WorkerResources)
+    worker: WorkerResources = Field(default_factory=lambda: WorkerResources(torch_threads=2))
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
     max_new_shards: int | None = Field(None, ge=0, description="write at most this many shards, then stop")
     regenerate: RegenerateConfig | None = Field(None, description="replace assistant turns by the target's own")
@@ -246,7 +234,7 @@ def add_generated(
         saved_chunks = []
         for k in range(-(-scfg.num_conversations // size)):
             wanted = min(size, scfg.num_conversations - k * size)
-            path = cache / f"synthetic-{cache_key(model_hash, what, settings, k, size, wanted)}{corpus.SUFFIX}"
+            path = cache / f"synthetic-{fingerprint(model_hash, what, settings, k, size, wanted)}{corpus.SUFFIX}"
 
             def make(k=k, wanted=wanted, scfg=scfg, source=source, seen=seen):
                 prompts, stats = synthesise_prompts(get_decoder(), tokenizer, scfg, wanted, k * size, seen)
@@ -270,7 +258,7 @@ def add_generated(
         answered, saved_chunks = [], []
         for part in [real[i : i + size] for i in range(0, len(real), size)]:
             asked = [[c.id, [(m["role"], m["content"]) for m in c.messages if m["role"] != "assistant"]] for c in part]
-            path = cache / f"regenerated-{cache_key(model_hash, asked, settings)}{corpus.SUFFIX}"
+            path = cache / f"regenerated-{fingerprint(model_hash, asked, settings)}{corpus.SUFFIX}"
 
             def make(part=part):
                 return answer_turns(get_decoder(), tokenizer, part, regen, None, cfg.max_length_tokens), {}
@@ -457,9 +445,7 @@ def start_capture_workers(cfg: CollectConfig, model_dir: Path, aux: tuple[int, .
     """`n` capture actors as the config places them (write=False: they only return shard bytes)."""
     init_ray(cfg.ray_address)
     ranks = cfg.tensor_parallel_size  # the worker's resources are per device
-    worker_cls = _capture_worker_class().options(
-        num_cpus=cfg.worker.num_cpus * ranks, num_gpus=cfg.worker.num_gpus * ranks, resources=cfg.worker.resources
-    )
+    worker_cls = _capture_worker_class().options(**cfg.worker.actor_options(ranks))
     return [
         worker_cls.remote(
             str(model_dir),

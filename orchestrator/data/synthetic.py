@@ -16,7 +16,6 @@ chunks (orchestrator/data/corpus.py) and reused when the settings match.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from collections import Counter
@@ -235,7 +234,3 @@ def answer_turns(
         ):
             history[i].append({"role": "assistant", "content": text, "token_ids": ids})
     return [Conversation(c.id, h, c.source) for c, h in zip(conversations, history, strict=True)]
-
-
-def cache_key(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -22,8 +22,8 @@ import numpy as np
 from pydantic import Field
 
 from orchestrator.config import StrictModel, load_config
-from orchestrator.data.synthetic import cache_key
 from orchestrator.evaluation.evaluate import SetsConfig
+from orchestrator.fingerprint import fingerprint
 from orchestrator.spec.proposer import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def run_extrapolation(cfg: ExtrapolationConfig) -> dict:
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
 
     def stage(key: str, inputs: dict, body, done) -> dict:
-        fp = cache_key(inputs)
+        fp = fingerprint(inputs)
         if key in state and state[key]["fingerprint"] == fp and done(state[key]["result"]):
             log.info("%s: done before, same inputs: skipped", key)
             return state[key]["result"]
@@ -135,7 +135,7 @@ def run_extrapolation(cfg: ExtrapolationConfig) -> dict:
 
     manifest = Path(collect.output) / "manifest.json"
     stage("collect", collect.model_dump(mode="json"), collected, lambda r: manifest.is_file())
-    manifest_sha = cache_key(manifest.read_text())
+    manifest_sha = fingerprint(manifest.read_text())
     trained = {}
     for name, tcfg in trains.items():
         trained[name] = stage(

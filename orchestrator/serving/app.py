@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -34,38 +33,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 from ray import serve
 
+from orchestrator.cluster import WorkerResources
 from orchestrator.config import StrictModel
 from orchestrator.data.prompts import render_chat
 from orchestrator.errors import AerieError
-from orchestrator.models.device import DeviceName, DtypeName, device_name
+from orchestrator.models.device import DtypeName
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.guard import Guard, api_keys
+from orchestrator.serving.launch import import_object
 from orchestrator.serving.protocol import Chunker, Limits, RequestError, check_request, error_body, sse, usage
 from orchestrator.spec.proposer import SpecConfig
 from orchestrator.tracking.store import DrafterRef
 
 log = logging.getLogger(__name__)
-
-
-class WorkerPlacement(StrictModel):
-    """Where a worker actor runs and how many threads it computes with."""
-
-    num_cpus: float = Field(1.0, ge=0, description="logical CPUs reserved")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved")
-    resources: dict[str, float] = Field({}, description="custom resources, e.g. {draft: 1} for the draft node group")
-    label_selector: dict[str, str] = Field({}, description="Ray node labels the worker must run on")
-    device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
-    env_vars: dict[str, str] = Field({}, description="environment of the worker process, e.g. GOMP_SPINCOUNT")
-
-    def torch_device(self) -> str:
-        """The worker's torch device: `device`, where auto means its GPU when it reserves one."""
-        return device_name(self.device, self.num_gpus)
-
-    def bundle(self) -> dict[str, float]:
-        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
-        return {k: v for k, v in out.items() if v > 0} or {"CPU": 0.001}
 
 
 class SpecServeConfig(StrictModel):
@@ -82,8 +63,8 @@ class SpecServeConfig(StrictModel):
     )
     spec: SpecConfig = Field(default_factory=SpecConfig, description="draft tree shape per request")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    target: WorkerPlacement = Field(default_factory=WorkerPlacement)
-    draft: WorkerPlacement = Field(default_factory=WorkerPlacement)
+    target: WorkerResources = Field(default_factory=WorkerResources)
+    draft: WorkerResources = Field(default_factory=WorkerResources)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
         None, description="put the two workers in one placement group with this strategy"
     )
@@ -130,19 +111,7 @@ class _Workers:
             pg = placement_group([cfg.target.bundle(), cfg.draft.bundle()], strategy=cfg.placement_strategy)
             ray.get(pg.ready(), timeout=300)
         for i, (role, p) in enumerate(placements.items()):
-            opts = dict(
-                num_cpus=p.num_cpus,
-                num_gpus=p.num_gpus,
-                resources=p.resources,
-                max_restarts=-1,
-                max_task_retries=0,
-                name=self.names[role],
-                namespace="aerie",
-            )
-            if p.env_vars:
-                opts["runtime_env"] = {"env_vars": p.env_vars}
-            if p.label_selector:
-                opts["label_selector"] = p.label_selector
+            opts = p.actor_options(max_restarts=-1, max_task_retries=0, name=self.names[role], namespace="aerie")
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
             options[role] = opts
@@ -165,7 +134,7 @@ class _Workers:
         if cfg.speculation:
             depth, topk, _ = cfg.spec.shape()
             if cfg.proposer_factory:
-                factory = functools.partial(_import(cfg.proposer_factory), **cfg.proposer_args)
+                factory = functools.partial(import_object(cfg.proposer_factory), **cfg.proposer_args)
             else:
                 factory = functools.partial(
                     load_eagle_proposer,
@@ -185,11 +154,6 @@ class _Workers:
             )
         handles = {"target": self.target, "draft": self.draft}
         self.info = {role: _ready(role, h) for role, h in handles.items() if h is not None}
-
-
-def _import(path: str):
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _ready(role: str, handle) -> dict:

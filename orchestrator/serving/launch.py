@@ -1,10 +1,11 @@
 """Serve config files of either backend: an ordinary Serve config (what `serve run FILE` and `serve deploy
 FILE` read) whose first application's `args` take `key=value` overrides and are validated before anything
-starts. `aerie serve` and `jobs.deploy` (`rollout.py`) read them here.
+starts. `aerie serve`, `jobs.deploy` and the serving benchmark read and build them here.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import yaml
@@ -21,6 +22,17 @@ BACKENDS = {
 
 def backend_of(import_path: str) -> str | None:
     return next((name for name, (path, _) in BACKENDS.items() if path == import_path), None)
+
+
+def import_object(path: str):
+    """`module:name` (a Serve config's `import_path`, a proposer factory) -> that object."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_application(app: dict, **args):
+    """A Serve application from a config's application entry (`read_serve_config`), `args` overriding its own."""
+    return import_object(app["import_path"])(app["args"] | args)
 
 
 def read_serve_config(path: str | Path, overrides: list[str] | None = None) -> tuple[dict, dict]:

@@ -83,25 +83,75 @@ def register_drafter(
     return str(version)
 
 
+MODELS = "models:/"
+
+
+def is_model_uri(source: object) -> bool:
+    """Whether `source` names a registered model version (models:/NAME/VERSION or models:/NAME@ALIAS)."""
+    return str(source).startswith(MODELS)
+
+
+@dataclass(frozen=True)
+class ModelUri:
+    """A `models:/NAME/VERSION` or `models:/NAME@ALIAS` URI, parsed: the one place that reads their syntax."""
+
+    name: str
+    version: str | None = None
+    alias: str | None = None
+
+    @classmethod
+    def parse(cls, uri: str) -> ModelUri:
+        body = uri[len(MODELS) :] if is_model_uri(uri) else ""
+        name, at, alias = body.partition("@")
+        if not at:
+            name, _, version = body.partition("/")
+        if not name or not (alias if at else version):
+            raise AerieError(f"{uri!r} is not a model URI: use models:/NAME/VERSION or models:/NAME@ALIAS")
+        return cls(name, alias=alias) if at else cls(name, version=version)
+
+    def __str__(self) -> str:
+        return f"{MODELS}{self.name}@{self.alias}" if self.alias else f"{MODELS}{self.name}/{self.version}"
+
+    def resolve(self, mlflow_client) -> str:
+        """The version number it names (an alias looked up); MlflowException when there is none."""
+        if self.alias:
+            return str(mlflow_client.get_model_version_by_alias(self.name, self.alias).version)
+        return str(mlflow_client.get_model_version(self.name, self.version).version)
+
+
 def check_model_uri(uri: str, tracking: str | None = None) -> tuple[str, str]:
     """Fail early, with a clear message, when a models:/ URI names no registered version; returns
     (name, version), an alias resolved to its version number."""
     from mlflow.exceptions import MlflowException
 
-    body = uri[len("models:/") :]
-    name, sep_alias, alias = body.partition("@")
-    if not sep_alias:
-        name, _, version = body.partition("/")
+    parsed = ModelUri.parse(uri)
     c = client(tracking)
     try:
-        found = c.get_model_version_by_alias(name, alias) if sep_alias else c.get_model_version(name, version)
+        return parsed.name, parsed.resolve(c)
     except MlflowException as err:
         known = [m.name for m in c.search_registered_models(max_results=20)]
         registry = redact_text(tracking_uri(tracking))
         raise AerieError(
             f"{uri} is not in the model registry at {registry} ({err.error_code}); registered: {known}"
         ) from err
-    return name, str(found.version)
+
+
+def tag_rollout(record: dict, tracking: str | None = None, production_alias: str = "production") -> None:
+    """A rollout's decision on its drafter's registry version (when it is a models:/ one) as tags; promotion
+    (or a first deployment) moves `production_alias` to it."""
+    if not is_model_uri(record.get("drafter", "")):
+        return
+    uri = ModelUri.parse(record["drafter"])
+    c = client(tracking)
+    version = uri.resolve(c)
+    decision = record["decision"]
+    c.set_model_version_tag(uri.name, version, "aerie.rollout", decision)
+    c.set_model_version_tag(uri.name, version, "aerie.rollout.app", record.get("app") or "")
+    if "reason" in record:
+        c.set_model_version_tag(uri.name, version, "aerie.rollout.reason", record["reason"])
+    if decision in ("initial", "promoted"):
+        c.set_registered_model_alias(uri.name, production_alias, version)
+    print(f"[deploy] {uri.name} version {version}: {decision}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -120,7 +170,7 @@ class DrafterRef:
 
 def read_drafter_ref(source: str, tracking: str | None = None) -> DrafterRef:
     """Pin a directory, s3:// prefix or models:/ URI to its exact version and read just its config.json."""
-    if source.startswith("models:/"):
+    if is_model_uri(source):
         import mlflow
         from mlflow.exceptions import MlflowException
 
@@ -161,7 +211,7 @@ def fetch_drafter(
     from orchestrator.data.storage import safe_path
 
     cache = Path(cache_dir)
-    if source.startswith("models:/"):
+    if is_model_uri(source):
         import mlflow
 
         name, version = check_model_uri(source, tracking)

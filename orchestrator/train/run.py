@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.cluster import init_ray
 from orchestrator.data.collect import start_capture_workers
 from orchestrator.data.storage import open_storage, upload_dir
 from orchestrator.errors import AerieError
-from orchestrator.jobrunner import init_ray
 from orchestrator.models.checkpoint import ARCHITECTURE, load_drafter
 from orchestrator.models.drafter import DrafterConfig
 from orchestrator.models.prepare import resolve_model

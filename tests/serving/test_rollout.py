@@ -222,7 +222,8 @@ def test_rollout_promotes_under_load_through_the_death_of_the_route_table_and_a_
     import ray
     from ray import serve
 
-    from orchestrator.serving.rollout import _replica_actors, run_rollout
+    from orchestrator.serving.counters import replica_actors
+    from orchestrator.serving.rollout import run_rollout
     from orchestrator.serving.router import stored_routes
 
     app, tmp = durable
@@ -232,7 +233,7 @@ def test_rollout_promotes_under_load_through_the_death_of_the_route_table_and_a_
         ray.kill(ray.get_actor("routes-dur", namespace="aerie"))  # no restart: a new table must take over
         killed.append(("route table", time.monotonic()))
         time.sleep(2)
-        replica = sorted(a for a in _replica_actors("dur") if "#Router#" in a)[0]
+        replica = sorted(a for a in replica_actors("dur") if "#Router#" in a)[0]
         ray.kill(ray.get_actor(replica, namespace="serve"))
         killed.append((replica, time.monotonic()))
 
@@ -294,12 +295,12 @@ def test_an_interrupted_rollout_gives_all_traffic_back_to_the_stable_backend(dur
     v3 = _random_drafter(tiny_chat, tmp / "v3", seed=2)
     cfg = deploy_cfg(serve_session, app, "dur", drafter=str(v3), output_dir=str(tmp / "interrupted"))
 
-    def interrupted_watch(ro, *args):
+    def interrupted_watch(self, paths):
         time.sleep(2)  # the canary takes traffic meanwhile
         raise KeyboardInterrupt
 
     with ClientLoad(f"{serve_session}/dur") as load, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rollout, "_watch", interrupted_watch)
+        mp.setattr(rollout.Rollout, "watch", interrupted_watch)
         with pytest.raises(KeyboardInterrupt):
             rollout.run_rollout(cfg)
         time.sleep(2)
@@ -359,7 +360,7 @@ def test_an_actor_still_constructing_is_placed_and_one_without_resources_is_not(
     demand the cluster cannot meet."""
     import ray
 
-    from orchestrator.serving.rollout import _demand_beyond_free, _pending
+    from orchestrator.serving.placement import demand_beyond_free, pending
 
     @ray.remote(num_cpus=0.01)
     class Slow:
@@ -378,12 +379,12 @@ def test_an_actor_still_constructing_is_placed_and_one_without_resources_is_not(
             time.sleep(0.2)
             table = ray._private.state.state.actor_table(None)
         assert table[slow._actor_id.hex()]["State"] == "PENDING_CREATION"  # still in its constructor
-        pending = _pending()
-        assert slow._actor_id.hex() not in pending and pending[huge._actor_id.hex()] == "Huge"
+        waiting = pending()
+        assert slow._actor_id.hex() not in waiting and waiting[huge._actor_id.hex()] == "Huge"
         deadline = time.monotonic() + 30  # raylets report their demand every few seconds
-        while {"CPU": 1000.0} not in _demand_beyond_free() and time.monotonic() < deadline:
+        while {"CPU": 1000.0} not in demand_beyond_free() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert {"CPU": 1000.0} in _demand_beyond_free()
+        assert {"CPU": 1000.0} in demand_beyond_free()
     finally:
         ray.kill(slow)
         ray.kill(huge)
@@ -393,8 +394,7 @@ def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_dra
     """A models:/ drafter's version gets the decision as tags; promotion moves the production alias."""
     import mlflow
 
-    from orchestrator.serving.rollout import DeployConfig, _record_in_registry
-    from orchestrator.tracking.store import client
+    from orchestrator.tracking.store import client, tag_rollout
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
@@ -405,11 +405,10 @@ def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_dra
     for _ in range(2):
         c.create_model_version("d", f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id)
     c.set_registered_model_alias("d", "candidate", "2")
-    cfg = DeployConfig(app="unused.yaml", tracking_uri=uri)
-    _record_in_registry(cfg, {"drafter": "models:/d@candidate", "decision": "promoted", "app": "x-2", "reason": "r"})
+    tag_rollout({"drafter": "models:/d@candidate", "decision": "promoted", "app": "x-2", "reason": "r"}, uri)
     assert str(c.get_model_version_by_alias("d", "production").version) == "2"
     assert c.get_model_version("d", "2").tags["aerie.rollout"] == "promoted"
-    _record_in_registry(cfg, {"drafter": "models:/d/1", "decision": "rolled back", "app": "x-1", "reason": "low"})
+    tag_rollout({"drafter": "models:/d/1", "decision": "rolled back", "app": "x-1", "reason": "low"}, uri)
     assert c.get_model_version("d", "1").tags["aerie.rollout"] == "rolled back"
     assert str(c.get_model_version_by_alias("d", "production").version) == "2"  # unchanged by a rollback
 

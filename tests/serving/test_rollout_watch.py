@@ -1,7 +1,9 @@
-"""The canary watch reads cumulative acceptance counters at every poll, one series per backend replica (Serve's
-/stats answers from one replica per request): replicas are summed, a replica that restarts counts on from zero
-instead of subtracting, and a read that fails (a /stats request timed out on a busy machine), the first one
-included, is read again at the next poll instead of ending the rollout, up to max_window_s. No Ray."""
+"""The rollout without Ray: its state machine driven through every transition by fake backends on a virtual
+clock, and the canary watch. The watch reads cumulative acceptance counters at every poll, one series per
+backend replica (Serve's /stats answers from one replica per request): replicas are summed, a replica that
+restarts counts on from zero instead of subtracting, and a read that fails (a /stats request timed out on a busy
+machine), the first one included, is read again at the next poll instead of ending the rollout, up to
+max_window_s."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import random
 import pytest
 
 from orchestrator.errors import AerieError
-from orchestrator.serving.rollout import CounterWindow, DeployConfig, _watch
+from orchestrator.serving.counters import CounterWindow
+from orchestrator.serving.deployments import EventLog
+from orchestrator.serving.rollout import TRANSITIONS, DeployConfig, Phase, Rollout
 from orchestrator.spec.acceptance import Acceptance
 
 
@@ -18,44 +22,209 @@ def _acc(drafts: int, accepted_each: int = 2) -> Acceptance:
     return Acceptance(drafts, 3 * drafts, accepted_each * drafts)
 
 
-class FakeRollout:
-    """Per app, a replica that drafts 10 more request-steps (2 accepted each) between reads; reads listed in
-    `fail` (1-based, over all apps) time out."""
+class Clock:
+    """Virtual time: `sleep` advances it."""
 
-    def __init__(self, fail: set) -> None:
-        self.fail, self.reads, self.events, self.drafts = fail, 0, [], {}
+    def __init__(self) -> None:
+        self.t = 0.0
 
-    def sample(self) -> dict:
-        return {}
+    def __call__(self) -> float:
+        return self.t
 
-    def event(self, what: str, **fields) -> None:
-        self.events.append(what)
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+class FakeDeployments:
+    """What `Rollout` drives, in memory. Per app, a replica that drafts 10 more request-steps between reads,
+    accepting `accept[app]` tokens each; reads listed in `fail` (1-based, over all apps, or "all") time out.
+    In-flight requests at a backend drain one per poll after it stops getting traffic."""
+
+    def __init__(self, accept: dict | None = None, fail: set | None = None, start_fails: BaseException | None = None):
+        self.accept, self.fail, self.start_fails = accept or {}, fail or set(), start_fails
+        self.routes: list | None = None
+        self.apps: dict[str, str] = {}  # app -> import path
+        self.deleted: list[str] = []
+        self.in_flight: dict[str, int] = {}
+        self.reads, self.drafts = 0, {}
+        self.calls: list[str] = []
+
+    def router_status(self) -> dict | None:
+        if self.routes is None:
+            return None
+        for app in self.in_flight:  # requests finish meanwhile
+            self.in_flight[app] = max(0, self.in_flight[app] - 1)
+        backends = {r.app: {"requests": 1, "failed": 0, "in_flight": self.in_flight.get(r.app, 0)} for r in self.routes}
+        return {"routes": [r.model_dump() for r in self.routes], "backends": backends}
+
+    def set_routes(self, routes) -> None:
+        self.calls.append("set_routes " + " ".join(f"{r.app}:{r.weight:g}" for r in routes))
+        for r in routes:
+            if r.weight > 0:
+                self.in_flight[r.app] = 3
+        self.routes = list(routes)
+
+    def next_app(self) -> str:
+        return f"m-{len(self.apps) + len(self.deleted) + 1}"
+
+    def start(self, app: str, config_app: dict, tick=lambda: None) -> None:
+        self.calls.append(f"start {app}")
+        tick()
+        self.apps[app] = config_app["import_path"]
+        if self.start_fails is not None:
+            raise self.start_fails
+
+    def delete(self, app: str) -> None:
+        self.calls.append(f"delete {app}")
+        self.apps.pop(app, None)
+        self.deleted.append(app)
+
+    def import_path_of(self, app: str) -> str:
+        return self.apps[app]
 
     def counters(self, app: str, path: str) -> dict[str, Acceptance]:
         self.reads += 1
         if self.reads in self.fail or "all" in self.fail:
             raise TimeoutError("timed out")
         self.drafts[app] = self.drafts.get(app, 0) + 10
-        return {"r1": _acc(self.drafts[app])}
+        return {"r1": _acc(self.drafts[app], self.accept.get(app, 2))}
 
 
-def _cfg(**kw) -> DeployConfig:
-    return DeployConfig(app="unused.yaml", name="m", poll_s=0.01, window_s=0.01, min_drafts=5, **kw)
+APP = {"import_path": "orchestrator.serving.app:build_app", "args": {}}
 
 
-def test_a_counter_read_that_times_out_the_first_one_included_is_read_again():
-    ro = FakeRollout(fail={1, 4})
-    got = _watch(ro, _cfg(), {"a": "x", "b": "x"})
-    assert ro.events[0] == "counters unreadable; read again at the next poll"
-    assert ro.events.count("counters unreadable; read again at the next poll") == 2 and ro.events[-1] == "watch"
+def _cfg(tmp_path, **kw) -> DeployConfig:
+    defaults = {"poll_s": 1.0, "window_s": 5, "min_drafts": 20, "output_dir": str(tmp_path)}
+    return DeployConfig(app="unused.yaml", name="m", **(defaults | kw))
+
+
+def _rollout(cfg: DeployConfig, d: FakeDeployments) -> tuple[Rollout, list]:
+    clock = Clock()
+    ro = Rollout(cfg, d, EventLog(clock), clock=clock, sleep=clock.sleep)
+    taken = []
+    to = ro.to
+
+    def recording_to(phase, decision=None, **details):
+        taken.append((ro.phase, phase, decision))
+        to(phase, decision, **details)
+
+    ro.to = recording_to
+    return ro, taken
+
+
+def test_the_rollout_state_machine_takes_every_transition_with_fake_backends(tmp_path, monkeypatch):
+    monkeypatch.setattr("orchestrator.serving.timeline.plot_timeline", lambda *a, **k: None)  # no matplotlib here
+    taken = []
+    # first deployment: NEW -> STARTING -> DONE (initial)
+    d = FakeDeployments()
+    ro, t = _rollout(_cfg(tmp_path), d)
+    record = ro.run(APP, "v1")
+    taken += t
+    assert record["decision"] == "initial" and record["app"] == "m-1" and d.calls == ["start m-1", "set_routes m-1:1"]
+    assert ro.phase is Phase.DONE
+    with pytest.raises(AerieError, match="already served"):  # `aerie serve` refuses a served model
+        _rollout(_cfg(tmp_path), d)[0].run(APP, "v2", canary=False)
+    with pytest.raises(AerieError, match="v1 already serves as m-1: nothing to roll out"):
+        _rollout(_cfg(tmp_path), d)[0].run(APP, "v1")
+
+    # promoted: STARTING -> CANARY -> RETIRING -> DONE; the loser drained, then deleted
+    d.accept = {"m-1": 1, "m-2": 2}
+    ro, t = _rollout(_cfg(tmp_path), d)
+    record = ro.run(APP, "v2")
+    taken += t
+    assert record["decision"] == "promoted" and record["app"] == "m-2" and "m-1" in d.deleted
+    assert record["acceptance"]["m-2"]["acceptance_length"] == 3.0 and record["acceptance"]["m-1"]["drafts"] >= 20
+    events = [e["event"] for e in record["events"]]
+    assert events.index("drained") < events.index("deleted") and events[-2:] == ["deleted", "done"]
+    assert d.calls[-3:] == ["set_routes m-2:1 m-1:0", "set_routes m-2:1", "delete m-1"]
+    assert [r.app for r in d.routes] == ["m-2"]
+
+    # rolled back: the candidate accepts 1 token less than the stable one
+    d.accept = {"m-2": 2, "m-3": 1}
+    ro, t = _rollout(_cfg(tmp_path), d)
+    record = ro.run(APP, "v3")
+    taken += t
+    assert record["decision"] == "rolled back" and record["app"] == "m-2" and [r.app for r in d.routes] == ["m-2"]
+    assert record["reason"] == "canary 2.000 vs stable 3.000 - tolerance 0.1"
+
+    # failed: the candidate does not start; it is deleted, the stable one keeps every route
+    d.start_fails = AerieError("no room")
+    ro, t = _rollout(_cfg(tmp_path), d)
+    record = ro.run(APP, "v4")
+    taken += t
+    assert record["decision"] == "failed" and record["reason"] == "no room" and d.deleted[-1] == "m-4"
+    assert [r.app for r in d.routes] == ["m-2"]
+
+    # an interrupt while starting: the candidate is deleted, the interrupt goes on (no decision)
+    d.start_fails = KeyboardInterrupt()
+    ro, t = _rollout(_cfg(tmp_path), d)
+    with pytest.raises(KeyboardInterrupt):
+        ro.run(APP, "v5")
+    taken += t
+    assert ro.phase is Phase.STARTING and d.deleted[-1] == "m-5" and "decision" not in ro.record
+
+    # interrupted while the routes were being split: STARTING -> RETIRING (interrupted) -> DONE
+    d.start_fails = None
+    set_routes = d.set_routes
+
+    def split_interrupted(routes) -> None:
+        if 0 < routes[-1].weight < 1:  # the canary's share
+            raise KeyboardInterrupt
+        set_routes(routes)
+
+    d.set_routes = split_interrupted
+    ro, t = _rollout(_cfg(tmp_path), d)
+    with pytest.raises(KeyboardInterrupt):
+        ro.run(APP, "v6")
+    taken += t
+    assert ro.record["decision"] == "interrupted" and [r.app for r in d.routes] == ["m-2"]
+    d.set_routes = set_routes
+
+    # interrupted during the canary: CANARY -> RETIRING (interrupted) -> DONE, stable takes all traffic again
+    d.fail = {"all"}
+    ro, t = _rollout(_cfg(tmp_path, max_window_s=3), d)
+    with pytest.raises(AerieError, match="could not be read within max_window_s"):
+        ro.run(APP, "v7")
+    taken += t
+    assert ro.record["decision"] == "interrupted" and [r.app for r in d.routes] == ["m-2"]
+    assert set(d.apps) == {"m-2"}  # every candidate is gone
+
+    decided = {(a, b, c) for a, b, c in taken}
+    every = {(a, b, c) for (a, b), cs in TRANSITIONS.items() for c in cs}
+    assert decided == every, every - decided
+
+
+def test_a_transition_off_the_table_is_refused(tmp_path):
+    ro, _ = _rollout(_cfg(tmp_path), FakeDeployments())
+    with pytest.raises(RuntimeError, match="no transition new -> canary"):
+        ro.to(Phase.CANARY)
+    ro.to(Phase.STARTING)
+    with pytest.raises(RuntimeError, match="no transition starting -> done deciding 'promoted'"):
+        ro.to(Phase.DONE, "promoted")
+
+
+def _watch(d: FakeDeployments, tmp_path, paths, **kw):
+    ro, _ = _rollout(_cfg(tmp_path, **({"window_s": 1, "min_drafts": 5} | kw)), d)
+    d.routes = []
+    return ro, ro.watch(paths)
+
+
+def test_a_counter_read_that_times_out_the_first_one_included_is_read_again(tmp_path):
+    d = FakeDeployments(fail={1, 4})
+    ro, got = _watch(d, tmp_path, {"a": "x", "b": "x"})
+    events = [e["event"] for e in ro.event.events]
+    assert events[0] == "counters unreadable; read again at the next poll"
+    assert events.count("counters unreadable; read again at the next poll") == 2 and events[-1] == "watch"
     assert got["a"].drafts >= 5 and got["b"].acceptance_length == 3.0
 
 
-def test_counters_unreadable_for_the_longest_window_end_the_watch_with_the_reason():
-    ro = FakeRollout(fail={"all"})
-    with pytest.raises(AerieError, match=r"could not be read within max_window_s \(0.05 s\): TimeoutError"):
-        _watch(ro, _cfg(max_window_s=0.05), {"a": "x"})
-    assert set(ro.events) == {"counters unreadable; read again at the next poll"}
+def test_counters_unreadable_for_the_longest_window_end_the_watch_with_the_reason(tmp_path):
+    d = FakeDeployments(fail={"all"})
+    ro, _ = _rollout(_cfg(tmp_path, window_s=1, max_window_s=5), d)
+    d.routes = []
+    with pytest.raises(AerieError, match=r"could not be read within max_window_s \(5 s\): TimeoutError"):
+        ro.watch({"a": "x"})
+    assert {e["event"] for e in ro.event.events} == {"counters unreadable; read again at the next poll"}
 
 
 def test_replicas_are_summed_and_a_restarted_one_counts_on_from_zero():

@@ -71,7 +71,7 @@ def _greedy(url: str, question: str) -> str:
 
 
 def test_greedy_text_with_the_drafter_equals_the_text_without(vllm_apps):
-    from orchestrator.serving.rollout import vllm_counters
+    from orchestrator.serving.counters import vllm_counters
 
     before = vllm_counters("vl-1")
     for q in QUESTIONS[:4]:
@@ -246,10 +246,9 @@ def test_both_backends_accept_and_refuse_the_same_requests(both):
 def test_a_rollout_reads_the_vllm_backends_acceptance_from_vllms_metrics(vllm_apps):
     """What a rollout on this backend adds to the disaggregated one's (tests/serving/test_rollout.py): it knows
     the backend is vLLM from its replicas, and reads acceptance from vLLM's counters of that app's engines."""
-    from orchestrator.serving.rollout import _import_path_of, vllm_counters
-    from orchestrator.serving.router import Route
+    from orchestrator.serving.counters import running_import_path, vllm_counters
 
-    assert _import_path_of(Route(app="vl-1", weight=1)) == VLLM_APP
+    assert running_import_path("vl-1") == VLLM_APP
     before = vllm_counters("vl-1")
     _greedy(vllm_apps["spec"], QUESTIONS[1])
     deadline = time.monotonic() + 60

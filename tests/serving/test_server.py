@@ -103,7 +103,7 @@ def test_data_parallel_replicas_each_with_their_workers(apps, references):
     }
     assert len(seen) == 2
     # /stats answers from one replica per request and says which: the rollout's watch keeps a series per replica.
-    from orchestrator.serving.rollout import stats_counters
+    from orchestrator.serving.counters import stats_counters
 
     series = {r: a for _ in range(30) for r, a in stats_counters(apps["dp"]).items()}
     assert len(series) == 2 and all(a.drafts > 0 for a in series.values())
