@@ -88,3 +88,104 @@ class ServingMetrics:
                 self.acceptance_length.observe(1 + a)
             for depth in range(1, a + 1):
                 self.accepted_per_depth.inc(1, {"depth": str(depth)})
+
+
+TOTALS = (
+    "rounds",
+    "spec_rounds",
+    "batch",
+    "verified_tokens",
+    "budget_tokens",
+    "draft_calls",
+    "draft_call_s",
+    "draft_compute_s",
+    "draft_errors",
+    "verify_calls",
+    "verify_call_s",
+    "verify_compute_s",
+    "pairs_bytes",
+    "target_to_draft_bytes",
+    "draft_to_target_bytes",
+    "target_failures",
+    "draft_failures",
+)
+
+
+class Meter:
+    """Every statistic a scheduler keeps, counted here once: `totals` and `acceptance` (its /stats, what the
+    benchmark and the rollout diff) and, when it serves (`export`), the Prometheus metrics, from the same calls."""
+
+    def __init__(self, budget_tokens: int, export: ServingMetrics | None = None) -> None:
+        from orchestrator.spec.acceptance import Acceptance
+
+        self.budget_tokens, self.export = budget_tokens, export
+        self.totals: dict[str, float] = dict.fromkeys(TOTALS, 0.0)
+        self.acceptance = Acceptance()
+
+    def verify_round(
+        self, drafted: list[int], accepted: list[int], verified: int, latency: float, compute_s: float, pairs: int
+    ) -> None:
+        """One verification round: per request, draft tokens verified and accepted."""
+        t = self.totals
+        t["rounds"] += 1
+        t["spec_rounds"] += 1 if sum(drafted) else 0
+        t["batch"] += len(drafted)
+        t["verified_tokens"] += verified
+        t["budget_tokens"] += self.budget_tokens
+        t["verify_calls"] += 1
+        t["verify_call_s"] += latency
+        t["verify_compute_s"] += compute_s
+        t["pairs_bytes"] += pairs
+        for d, a in zip(drafted, accepted, strict=True):
+            self.acceptance.record(d, a)
+        if self.export is not None:
+            self.export.round(len(drafted), verified, self.budget_tokens, drafted, accepted)
+            self.export.verify_latency.observe(latency)
+
+    def draft_call(self, latency: float, compute_s: float) -> None:
+        self.totals["draft_calls"] += 1
+        self.totals["draft_call_s"] += latency
+        self.totals["draft_compute_s"] += compute_s
+        if self.export is not None:
+            self.export.draft_latency.observe(latency)
+
+    def draft_error(self) -> None:
+        """The drafter raised (its worker lives)."""
+        self.totals["draft_errors"] += 1
+
+    def draft_lost(self) -> None:
+        """The draft worker died."""
+        self.totals["draft_failures"] += 1
+        if self.export is not None:
+            self.export.errors.inc(1, {"kind": "draft_died"})
+
+    def target_failure(self) -> None:
+        self.totals["target_failures"] += 1
+
+    def request_error(self, kind: str) -> None:
+        """A request ended with an error of `kind` (target_lost, worker, timeout, internal)."""
+        self.totals[f"errors_{kind}"] = self.totals.get(f"errors_{kind}", 0) + 1
+        if self.export is not None:
+            self.export.errors.inc(1, {"kind": kind})
+
+    def transfer(self, direction: str, nbytes: int) -> None:
+        """Bytes one worker sends the other: `target_to_draft` (Pairs), `draft_to_target` (draft trees)."""
+        self.totals[f"{direction}_bytes"] += nbytes
+        if self.export is not None and nbytes:
+            self.export.transfer_bytes.inc(nbytes, {"direction": direction})
+
+    def tokens(self, since_submit: float, since_last: float | None, n: int) -> None:
+        """A request got `n` tokens: its first (TTFT) or more (each `since_last / n` apart)."""
+        if self.export is None:
+            return
+        if since_last is None:
+            self.export.ttft.observe(since_submit)
+        else:
+            for _ in range(n):
+                self.export.itl.observe(since_last / n)
+
+    def load(self, waiting: int, running: int, free_slots: dict[str, int], max_batch: int) -> None:
+        if self.export is not None:
+            self.export.queue_depth.set(waiting)
+            self.export.running.set(running)
+            self.export.slots(free_slots, max_batch)

@@ -28,6 +28,7 @@ once); a restarted target serves new ones. Every request ends by `request_timeou
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
@@ -41,6 +42,7 @@ from orchestrator.config import StrictModel
 from orchestrator.runtime.clients import WorkerFailed, WorkerLost
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.messages import NewSequence, RoundOutput
+from orchestrator.runtime.metrics import Meter
 from orchestrator.runtime.policies import BudgetPolicy, ModeChooser
 from orchestrator.spec.acceptance import Acceptance
 from orchestrator.spec.sampling import SamplingParams
@@ -91,16 +93,46 @@ class Request:
     acceptance: Acceptance = field(default_factory=Acceptance)
 
 
+class Sync(enum.Enum):
+    """What the drafter holds of a micro-batch's requests, so what their next draft call sends it."""
+
+    IN_SYNC = "in sync"  # all but the backlog: the backlog
+    CATCH_UP = "catch up"  # the backlog overflowed: the pairs it has not seen, fetched from the target
+    RESET = "reset"  # nothing (it restarted, or its state of them was dropped): their whole histories
+
+
 @dataclass
 class _Group:
     """One micro-batch and its drafting state."""
 
     requests: dict[str, Request] = field(default_factory=dict)
-    backlog: list = field(default_factory=list)  # Pairs (refs) the drafter has not seen yet, oldest first
-    catch_up: bool = False  # the backlog overflowed: the drafter gets the missing pairs from the target
-    reset: bool = False  # the drafter lost these requests' state: it gets their whole histories
+    sync: Sync = Sync.IN_SYNC
+    backlog: list = field(default_factory=list)  # Pairs (refs) the drafter has not seen, oldest first; IN_SYNC only
     modes: ModeChooser = field(default_factory=ModeChooser)
     drafted_last: bool = False  # a drafted round after target-only ones catches up (ModeChooser skips it)
+
+    def to(self, sync: Sync) -> None:
+        """The one place the sync state changes. Every change empties the backlog: after a draft call it was
+        sent; otherwise the target's history replaces it."""
+        self.sync, self.backlog = sync, []
+
+    def stash(self, pairs) -> None:
+        """Keep a call's pairs for the next draft call (in sync only); past MAX_BACKLOG (a long target-only
+        stretch), the drafter catches up from the target instead."""
+        if self.sync is not Sync.IN_SYNC:
+            return
+        self.backlog.append(pairs)
+        if len(self.backlog) > MAX_BACKLOG:
+            self.to(Sync.CATCH_UP)
+
+
+@dataclass
+class Drafted:
+    """A draft call's result for one micro-batch."""
+
+    sketches: dict[str, tuple[list[int], list[float]]]  # request id -> its tree's (parent index, score) per node
+    trees: object  # the draft trees the target verifies (a Ray ref between actors)
+    trees_bytes: int
 
 
 class SpecScheduler:
@@ -122,7 +154,8 @@ class SpecScheduler:
         max_nodes: most draft nodes one request verifies per round (the tree's budget); clock: deadlines;
         watchdog_s: how often deadlines are checked besides every round (None: rounds only); poll_s: how
         often a restarting worker is asked whether it answers."""
-        self.target, self.draft, self.cfg, self.metrics = target, draft, cfg, metrics
+        self.target, self.draft, self.cfg = target, draft, cfg
+        self.meter = Meter(cfg.budget_tokens, export=metrics)
         self.policy = BudgetPolicy(cfg.budget_tokens, max_nodes, adaptive=cfg.adaptive)
         self.clock, self.watchdog_s, self.poll_s = clock, watchdog_s, poll_s
         self.waiting: deque[Request] = deque()
@@ -131,8 +164,6 @@ class SpecScheduler:
         self.draft_alive = draft is not None
         self.draft_incarnation: str | None = None  # changes when the draft worker restarts
         self.free_slots = {"target": cfg.max_batch, "draft": cfg.max_batch if draft is not None else 0}
-        self.acceptance = Acceptance()
-        self.totals: dict[str, float] = dict.fromkeys(_TOTALS, 0.0)
         self.trace: deque[dict] = deque(maxlen=trace_size)
         self._ids = itertools.count()
         self._changed = asyncio.Event()
@@ -240,19 +271,18 @@ class SpecScheduler:
             await self._target_failed([r for r in new if not r.ended], err, prefill=True)
             return
         self._span("prefill", "target", g, out.started, out.compute_s, len(new), out.verified_tokens)
-        self._stash(g, pairs)
+        self._stash(group, pairs)
         self._deliver(out)
 
     async def _round(self, g: int) -> None:
         group = self.groups[g]
         ids = list(group.requests)
         round_began = time.perf_counter()
-        trees_ref, sketches, predicted, trees_bytes = None, {}, 0.0, 0
+        drafted, predicted = None, 0.0
         draftable = any(r.draftable for r in group.requests.values())
         if self.draft_alive and draftable and (not self.cfg.adaptive or group.modes.choose(len(ids))):
             drafted = await self._draft(g)
-            if drafted is not None:
-                sketches, trees_ref, trees_bytes = drafted
+        sketches = drafted.sketches if drafted is not None else {}
         ids = [rid for rid in ids if rid in group.requests]  # requests that ended meanwhile are not verified
         if not ids:
             return
@@ -263,18 +293,18 @@ class SpecScheduler:
             chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead)
             keep.update(zip(have, chosen, strict=True))
         began = time.perf_counter()
-        self._transfer("draft_to_target", trees_bytes)
+        self.meter.transfer("draft_to_target", drafted.trees_bytes if drafted is not None else 0)
         try:
-            out, pairs = await self.target.call("verify", keep, trees_ref, returns=2)
+            out, pairs = await self.target.call("verify", keep, drafted.trees if drafted else None, returns=2)
         except (WorkerLost, WorkerFailed) as err:
             await self._target_failed([group.requests[rid] for rid in ids if rid in group.requests], err)
             return
         latency = time.perf_counter() - began
         self._span("verify", "target", g, out.started, out.compute_s, len(ids), out.verified_tokens)
-        self._stash(g, pairs)
+        self._stash(group, pairs)
         accepted = sum(u.accepted for u in out.updates)
         self.policy.observe(len(ids), out.verified_tokens, out.compute_s, predicted, accepted)
-        with_draft = trees_ref is not None
+        with_draft = drafted is not None
         if self.cfg.adaptive:
             emitted = sum(len(u.tokens) for u in out.updates)
             catch_up = with_draft and not group.drafted_last
@@ -283,36 +313,37 @@ class SpecScheduler:
         self._account(out, latency)
         self._deliver(out)
 
-    async def _draft(self, g: int):
-        """Draft trees for the group: (sketches, trees ref, their bytes), or None when the draft worker is gone or
-        failed (the round goes target-only: drafts are an optimisation, never needed for a correct answer)."""
+    async def _draft(self, g: int) -> Drafted | None:
+        """Draft trees for the group, or None when the draft worker is gone or failed (the round goes
+        target-only: drafts are an optimisation, never needed for a correct answer)."""
         group = self.groups[g]
-        if group.reset or group.catch_up:
+        sync, pairs = group.sync, group.backlog
+        if sync is not Sync.IN_SYNC:
             rs = [r for r in group.requests.values() if r.draftable]
-            since = {} if group.reset else {r.id: r.draft_pairs for r in rs}
+            since = {} if sync is Sync.RESET else {r.id: r.draft_pairs for r in rs}
             try:
                 _, history = await self.target.call("history", [r.id for r in rs], since, returns=2)
             except (WorkerLost, WorkerFailed) as err:
                 log.warning("history for the drafter failed, round target-only: %s", err)
                 return None
-            group.backlog = [history]
+            pairs = [history]
         rs = [r for r in group.requests.values() if r.draftable]  # after the await: without those that ended
-        reset = [r.id for r in rs] if group.reset else []
+        reset = [r.id for r in rs] if sync is Sync.RESET else []
         requests = [(r.id, r.params, self._node_cap(r)) for r in rs]
         began = time.perf_counter()
         try:
-            out, trees_ref = await self.draft.call("propose", requests, group.backlog, reset, returns=2)
+            out, trees_ref = await self.draft.call("propose", requests, pairs, reset, returns=2)
         except WorkerLost as err:
             self._draft_lost(str(err))
             return None
         except WorkerFailed as err:  # the drafter raised: this round target-only, its state of them starts over
             log.error("draft round failed, running it target-only: %s", err)
-            self.totals["draft_errors"] += 1
+            self.meter.draft_error()
             self.draft.cast("release", [r.id for r in rs])
-            group.reset, group.backlog = True, []
+            group.to(Sync.RESET)
             return None
         latency = time.perf_counter() - began
-        group.backlog, group.reset, group.catch_up = [], False, False
+        group.to(Sync.IN_SYNC)
         if self.draft_incarnation not in (None, out.incarnation):  # restarted between calls: its drafts are
             self._draft_restarted()  # still valid (verification is exact) but its caches miss history
         self.draft_incarnation = out.incarnation
@@ -324,27 +355,20 @@ class SpecScheduler:
             if rid in self.requests:
                 self.requests[rid].draft_pairs = n
         self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
-        self.totals["draft_calls"] += 1
-        self.totals["draft_call_s"] += latency
-        self.totals["draft_compute_s"] += out.compute_s
-        self._transfer("target_to_draft", out.pairs_bytes)
+        self.meter.draft_call(latency, out.compute_s)
+        self.meter.transfer("target_to_draft", out.pairs_bytes)
         self._span("draft", "draft", g, out.started, out.compute_s, len(rs), 0)
-        if self.metrics:
-            self.metrics.draft_latency.observe(latency)
-        return {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}, trees_ref, out.trees_bytes
+        sketches = {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}
+        return Drafted(sketches, trees_ref, out.trees_bytes)
 
     def _node_cap(self, r: Request) -> int:
         """Never draft past max_tokens: a round emits at most (nodes on the path) + 1 tokens."""
         return max(0, min(self.policy.max_nodes_per_request, r.params.max_tokens - r.emitted - 1))
 
-    def _stash(self, g: int, pairs) -> None:
+    def _stash(self, group: _Group, pairs) -> None:
         """Keep a call's pairs for the group's next draft (nothing when no drafter will read them)."""
-        group = self.groups[g]
-        if self.draft is None or not self.draft_alive or group.reset or group.catch_up:
-            return
-        group.backlog.append(pairs)
-        if len(group.backlog) > MAX_BACKLOG:  # long target-only stretch: fetch what it missed when it drafts
-            group.backlog, group.catch_up = [], True
+        if self.draft is not None and self.draft_alive:
+            group.stash(pairs)
 
     # -- results ---------------------------------------------------------------------------------------------
 
@@ -361,11 +385,9 @@ class SpecScheduler:
             elif u.error is not None:
                 self._fail(r, u.error, u.status, "worker", released=True)
             else:
-                if self.metrics and r.last_token is None:
-                    self.metrics.ttft.observe(now - r.submitted)
-                elif self.metrics:
-                    for _ in u.tokens:
-                        self.metrics.itl.observe((now - r.last_token) / len(u.tokens))
+                self.meter.tokens(
+                    now - r.submitted, None if r.last_token is None else now - r.last_token, len(u.tokens)
+                )
                 r.last_token = now
                 r.emitted += len(u.tokens)
                 r.acceptance.record(u.drafted, u.accepted)
@@ -376,21 +398,7 @@ class SpecScheduler:
     def _account(self, out: RoundOutput, latency: float) -> None:
         drafted = [u.drafted for u in out.updates if u.error is None]
         accepted = [u.accepted for u in out.updates if u.error is None]
-        t = self.totals
-        t["rounds"] += 1
-        t["spec_rounds"] += 1 if sum(drafted) else 0
-        t["batch"] += len(drafted)
-        t["verified_tokens"] += out.verified_tokens
-        t["budget_tokens"] += self.cfg.budget_tokens
-        t["verify_calls"] += 1
-        t["verify_call_s"] += latency
-        t["verify_compute_s"] += out.compute_s
-        t["pairs_bytes"] += out.pairs_bytes
-        for d, a in zip(drafted, accepted, strict=True):
-            self.acceptance.record(d, a)
-        if self.metrics:
-            self.metrics.round(len(drafted), out.verified_tokens, self.cfg.budget_tokens, drafted, accepted)
-            self.metrics.verify_latency.observe(latency)
+        self.meter.verify_round(drafted, accepted, out.verified_tokens, latency, out.compute_s, out.pairs_bytes)
 
     def _requeue(self, rs: list[Request]) -> None:
         """Back to the front of the queue (nothing of them reached a client or is held by the target)."""
@@ -419,16 +427,14 @@ class SpecScheduler:
         self._gauges()
 
     def _fail(self, r: Request, message: str, status: int, kind: str, released: bool = False) -> None:
-        if self.metrics:
-            self.metrics.errors.inc(1, {"kind": kind})
-        self.totals[f"errors_{kind}"] = self.totals.get(f"errors_{kind}", 0) + 1
+        self.meter.request_error(kind)
         self._end(r, Event(error=message, status=status), released=released)
 
     async def _target_failed(self, rs: list[Request], err: Exception, prefill: bool = False) -> None:
         """A target call failed: whatever it held of these requests is freed (a late call is followed by the
         release); a lost prefill is retried, anything else ends with 503. A dead target is waited for."""
         log.error("target call failed for %d requests: %s", len(rs), err)
-        self.totals["target_failures"] += 1
+        self.meter.target_failure()
         self.target.cast("release", [r.id for r in rs])
         retry = [r for r in rs if prefill and r.attempts + 1 < self.cfg.max_prefill_attempts]
         for r in rs:
@@ -443,9 +449,7 @@ class SpecScheduler:
         if not self.draft_alive:
             return
         log.warning("%s: target-only rounds until the draft worker is back", reason)
-        self.totals["draft_failures"] += 1
-        if self.metrics:
-            self.metrics.errors.inc(1, {"kind": "draft_died"})
+        self.meter.draft_lost()
         self.draft_alive = False
         self._draft_restarted()
         task = asyncio.create_task(self._await_draft())
@@ -455,7 +459,7 @@ class SpecScheduler:
     def _draft_restarted(self) -> None:
         """The draft worker lost its caches: each group's next draft sends the whole histories."""
         for group in self.groups:
-            group.reset, group.catch_up, group.backlog = True, False, []
+            group.to(Sync.RESET)
 
     async def _await_draft(self) -> None:
         await self._await_ready(self.draft, "draft")
@@ -488,17 +492,9 @@ class SpecScheduler:
             {"name": name, "worker": worker, "group": g, "ts": started, "dur": dur, "batch": batch, "tokens": tokens}
         )
 
-    def _transfer(self, direction: str, nbytes: int) -> None:
-        """Bytes one worker sends the other: `target_to_draft` (Pairs), `draft_to_target` (draft trees)."""
-        self.totals[f"{direction}_bytes"] += nbytes
-        if self.metrics and nbytes:
-            self.metrics.transfer_bytes.inc(nbytes, {"direction": direction})
-
     def _gauges(self) -> None:
-        if self.metrics:
-            self.metrics.queue_depth.set(len(self.waiting))
-            self.metrics.running.set(sum(len(g.requests) for g in self.groups))
-            self.metrics.slots(self.free_slots, self.cfg.max_batch)
+        running = sum(len(g.requests) for g in self.groups)
+        self.meter.load(len(self.waiting), running, self.free_slots, self.cfg.max_batch)
 
     async def refresh_slots(self, timeout_s: float = 10.0) -> dict:
         """Ask both workers at once for their free KV slots; returns each worker's `ready` answer (or the error)
@@ -537,10 +533,11 @@ class SpecScheduler:
             for name, free in self.free_slots.items()
             if name == "target" or self.draft is not None
         }
+        totals, acceptance = self.meter.totals, self.meter.acceptance
         return {
-            **self.totals,
-            "acceptance": self.acceptance.to_dict(),
-            "acceptance_length": self.acceptance.acceptance_length,
+            **totals,
+            "acceptance": acceptance.to_dict(),
+            "acceptance_length": acceptance.acceptance_length,
             "draft_alive": self.draft_alive,
             "calibration": self.policy.calibration,
             "cost": self.policy.cost.coefficients(),
@@ -548,28 +545,6 @@ class SpecScheduler:
             "waiting": len(self.waiting),
             "kv_slots": slots,
             "transfer_bytes_per_round": {  # mean over target rounds (prefills' pairs included)
-                d: self.totals[f"{d}_bytes"] / max(1, self.totals["rounds"])
-                for d in ("target_to_draft", "draft_to_target")
+                d: totals[f"{d}_bytes"] / max(1, totals["rounds"]) for d in ("target_to_draft", "draft_to_target")
             },
         }
-
-
-_TOTALS = (
-    "rounds",
-    "spec_rounds",
-    "batch",
-    "verified_tokens",
-    "budget_tokens",
-    "draft_calls",
-    "draft_call_s",
-    "draft_compute_s",
-    "draft_errors",
-    "verify_calls",
-    "verify_call_s",
-    "verify_compute_s",
-    "pairs_bytes",
-    "target_to_draft_bytes",
-    "draft_to_target_bytes",
-    "target_failures",
-    "draft_failures",
-)

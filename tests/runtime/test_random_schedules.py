@@ -145,7 +145,7 @@ def run_schedule(seed: int) -> dict:
             assert got == want[: len(got)], f"seed {seed}: client {i}: {got} is not a prefix of {want}"
         assert all(0 <= t < VOCAB - 1 for t in got)
     assert_settled(h)
-    return {"requests": len(clients), "rounds": h.scheduler.totals["rounds"]}
+    return {"requests": len(clients), "rounds": h.scheduler.meter.totals["rounds"]}
 
 
 @pytest.mark.parametrize("block", range(5))

@@ -36,7 +36,7 @@ def test_a_burst_of_four_times_max_batch_is_served_exactly(micro_batches, adapti
     for r, p in zip(rs, prompts, strict=True):
         assert ended_once(r, h.seen[r.id]).finish_reason == "length"
         assert tokens_of(h.seen[r.id]) == reference(p, GREEDY)
-    assert h.scheduler.acceptance.accepted > 0  # the drafts were partly right
+    assert h.scheduler.meter.acceptance.accepted > 0  # the drafts were partly right
     assert_settled(h)
 
 
@@ -190,14 +190,14 @@ def test_state_stays_bounded_while_drafting_is_skipped_for_10k_rounds():
     exceeds MAX_BACKLOG, the drafter catches up from the target's history, and the output stays exact."""
     h = build(max_batch=2, micro_batches=2, adaptive=True, context=12_000)
     for group in h.scheduler.groups:
-        group.modes.choose = lambda n: h.scheduler.totals["rounds"] >= 10_000
+        group.modes.choose = lambda n: h.scheduler.meter.totals["rounds"] >= 10_000
     params = SamplingParams(max_tokens=5_020, ignore_eos=True)
     peak = {"backlog": 0}
     observe = h.scheduler._stash
 
-    def stash(g, pairs):
-        observe(g, pairs)
-        peak["backlog"] = max(peak["backlog"], len(h.scheduler.groups[g].backlog))
+    def stash(group, pairs):
+        observe(group, pairs)
+        peak["backlog"] = max(peak["backlog"], len(group.backlog))
 
     h.scheduler._stash = stash
     prompts = [[1, 2, 3], [4, 5]]
@@ -206,12 +206,12 @@ def test_state_stays_bounded_while_drafting_is_skipped_for_10k_rounds():
         assert tokens_of(h.seen[r.id]) == reference(p, params)
     assert peak["backlog"] == MAX_BACKLOG
     assert h.target.calls["history"] >= 2  # each group caught up once drafting resumed
-    assert h.scheduler.totals["spec_rounds"] > 0 and len(h.scheduler.trace) <= h.scheduler.trace.maxlen
+    assert h.scheduler.meter.totals["spec_rounds"] > 0 and len(h.scheduler.trace) <= h.scheduler.trace.maxlen
     assert_settled(h)
 
 
 def test_state_stays_bounded_while_the_drafter_is_dead_for_10k_rounds():
-    rounds = lambda: h.scheduler.totals["rounds"]  # noqa: E731
+    rounds = lambda: h.scheduler.meter.totals["rounds"]  # noqa: E731
 
     def draft_plan(m):
         if m == "propose" and rounds() < 2:
@@ -223,8 +223,8 @@ def test_state_stays_bounded_while_the_drafter_is_dead_for_10k_rounds():
     rs = run(h, lambda h: _all(h, [[7, 8]], params), timeout_s=240)
     assert tokens_of(h.seen[rs[0].id]) == reference([7, 8], params)
     assert not h.scheduler.groups[0].backlog or h.scheduler.draft_alive
-    assert h.scheduler.totals["draft_failures"] == 1 and h.scheduler.draft_alive
-    assert h.scheduler.totals["spec_rounds"] > 0  # drafting resumed after the history resync
+    assert h.scheduler.meter.totals["draft_failures"] == 1 and h.scheduler.draft_alive
+    assert h.scheduler.meter.totals["spec_rounds"] > 0  # drafting resumed after the history resync
     assert_settled(h)
 
 
@@ -245,8 +245,8 @@ def test_a_drafter_with_a_shorter_context_stops_drafting_those_requests_without_
     for r, p in zip(rs, [[1, 2, 3, 4], [5, 6]], strict=True):
         assert tokens_of(h.seen[r.id]) == reference(p, params)
         assert not r.draftable
-    assert h.scheduler.totals["draft_errors"] == 0 and h.target.calls.get("history", 0) == 0
-    assert h.scheduler.acceptance.drafts > 0
+    assert h.scheduler.meter.totals["draft_errors"] == 0 and h.target.calls.get("history", 0) == 0
+    assert h.scheduler.meter.acceptance.drafts > 0
     assert_settled(h)
 
 

@@ -72,7 +72,7 @@ def test_the_scheduler_counts_every_byte_one_worker_hands_the_other():
         def __getattr__(self, name):
             return _Ignore()
 
-    h.scheduler.metrics = Metrics()
+    h.scheduler.meter.export = Metrics()
     prompts = [[(3 * i + k) % 20 for k in range(1 + i % 5)] for i in range(8)]
 
     async def body(h):
