@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from pydantic import BaseModel
@@ -57,6 +58,13 @@ class Message:
         return payload_nbytes(self)
 
 
+class Pair(NamedTuple):
+    """One request's pairs, in order: pair i is the token at position t+1 and the aux state at t."""
+
+    tokens: torch.Tensor  # [m] int64
+    aux: torch.Tensor  # [m, k * hidden] the target's aux hidden states (k layers, concatenated)
+
+
 @dataclass
 class Pairs(Message):
     """Target states for the drafter, packed across requests: `[a1 a2 a3 | b1 | c1 c2]`. Pair i of a request
@@ -67,22 +75,22 @@ class Pairs(Message):
     tokens: torch.Tensor  # [M] x[t+1]
     aux: torch.Tensor  # [M, k * hidden] aux hidden states at t
 
-    def split(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def split(self) -> dict[str, Pair]:
         out, offset = {}, 0
         for rid, n in zip(self.request_ids, self.counts, strict=True):
-            out[rid] = (self.tokens[offset : offset + n], self.aux[offset : offset + n])
+            out[rid] = Pair(self.tokens[offset : offset + n], self.aux[offset : offset + n])
             offset += n
         return out
 
     @classmethod
-    def pack(cls, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], width: int) -> Pairs:
-        """parts: request -> (tokens [m], aux [m, width])."""
+    def pack(cls, parts: dict[str, Pair], width: int) -> Pairs:
+        """parts: request -> its pairs (aux [m, width])."""
         if not parts:
             return cls([], [], torch.zeros(0, dtype=torch.long), torch.zeros(0, width))
         ids = list(parts)
-        tokens = torch.cat([parts[r][0] for r in ids])
-        aux = torch.cat([parts[r][1] for r in ids])
-        return cls(ids, [parts[r][0].numel() for r in ids], tokens, aux)
+        tokens = torch.cat([parts[r].tokens for r in ids])  # [M]
+        aux = torch.cat([parts[r].aux for r in ids])  # [M, width]
+        return cls(ids, [parts[r].tokens.numel() for r in ids], tokens, aux)
 
 
 @dataclass

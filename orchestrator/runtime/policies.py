@@ -119,14 +119,32 @@ class BudgetPolicy:
         if verified_tokens > requests:
             self.cost.observe(verified_tokens, verify_s)
         if predicted > 0:
-            # A ratio of sums. It was a running product of per-round ratios, i.e. a geometric mean: a round that
-            # accepts nothing (half of them with a useful drafter) pulled it down more than a good round pushed
-            # it up: a calibrated drafter's sank to 0.45 (tests/runtime/test_policies.py), the served demo drafter's
-            # to its floor (0.05, measured; now 0.86-0.94), and its trees were cut to ~3 of 8 nodes.
+            # A ratio of (decayed) sums, not a mean of per-round ratios: a round that accepts nothing (half of
+            # them with a useful drafter) must not pull it down more than a good round pushes it up.
             d = self.calibration_decay
             self._accepted = d * self._accepted + accepted
             self._predicted = d * self._predicted + predicted / self.calibration  # the drafter's own claim
             self.calibration = min(4.0, max(0.05, self._accepted / self._predicted))
+
+
+@dataclass
+class Measured:
+    """One mode at one batch-size bucket, as `ModeChooser` measured it."""
+
+    tokens: float  # per request and round: long memory (yield_smoothing)
+    seconds: float  # per round: moving average (smoothing), restarted when stale
+    rounds: int = 0  # rounds measured, in all
+    streak: int = 0  # ... since it was last stale
+    last: int = 0  # the choice it was last measured at
+
+
+@dataclass
+class Probe:
+    """Rounds of the mode `ModeChooser` is not choosing, at `bucket`; judged once `left` reaches 0."""
+
+    mode: bool
+    bucket: int
+    left: int
 
 
 @dataclass
@@ -146,26 +164,21 @@ class ModeChooser:
     `smoothing`, and a mode not measured for `probe_every` rounds starts a fresh one (a probe replaces a stale
     cost instead of nudging it). Tokens per drafted round vary a lot (acceptance differs per request and per
     stretch of text), so they are averaged over the last ~1/`yield_smoothing` drafted rounds, probes included,
-    and never restarted. With a short memory, a dip of acceptance switched drafting off and the next short
-    probe, landing on a hard stretch as often as not, kept it off for longer and longer: a simulated drafter
-    accepting 55% per step at 1.5x a target-only round's cost drafted 54% of its rounds at concurrency 1 (the
-    serving benchmark measured 54%), now 95% (tests/runtime/test_policies.py). A drafted round that follows
-    target-only ones is not measured (`catch_up`): the drafter first commits every state it skipped, a cost of
-    the stretch before it, not of drafting (measured at concurrency 1 in-domain: counting it kept drafting off
-    although drafted rounds were faster)."""
+    and never restarted: with a short memory, a dip of acceptance switches drafting off and the next short probe,
+    landing on a hard stretch as often as not, keeps it off (tests/runtime/test_policies.py). A drafted round
+    that follows target-only ones is not measured (`catch_up`): the drafter first commits every state it
+    skipped, a cost of the stretch before it, not of drafting."""
 
     probe_every: int = 16
     probe_rounds: int = 6
     smoothing: float = 0.1
     yield_smoothing: float = 1 / 64
-    sums: dict = field(default_factory=dict)  # (drafted, bucket) -> [tokens per request, seconds] per round
-    seen: dict = field(default_factory=dict)  # (drafted, bucket) -> [rounds measured, in this streak, last round]
-    rounds: int = 0
     max_backoff: int = 16
-    backoff: dict = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
-    probe: tuple[bool, int] | None = None  # the mode being probed, rounds left
-    probed: tuple[int, bool] | None = None  # (bucket, mode) of the last probe, until it is judged
-    probing: bool = False  # the last choice was a probe
+    measured: dict[tuple[bool, int], Measured] = field(default_factory=dict)  # (drafted, bucket) -> its rounds
+    backoff: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
+    probe: Probe | None = None  # the current probe, or the last one until it is judged
+    probing: bool = False  # the last choice was a probe round
+    rounds: int = 0  # choices made
 
     def choose(self, n: int) -> bool:
         """True: draft this round."""
@@ -175,41 +188,40 @@ class ModeChooser:
         rounds = max(2, self.probe_rounds // bucket)
         if self._count(True, bucket) < rounds or self._count(False, bucket) < rounds:
             return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
-        if self.probe is None:
+        if self.probe is None or self.probe.left == 0:
             best = self.rate(True, bucket) >= self.rate(False, bucket)
-            if self.probed is not None:  # the last probe is over: did it change the choice in its bucket?
-                b, mode = self.probed
+            if self.probe is not None:  # the last probe is over: did it change the choice in its bucket?
+                b, mode = self.probe.bucket, self.probe.mode
                 won = (self.rate(True, b) >= self.rate(False, b)) == mode
                 self.backoff[b] = 1 if won else min(self.max_backoff, 2 * self.backoff.get(b, 1))
-                self.probed = None
+                self.probe = None
             if self.rounds % (self.probe_every * self.backoff.get(bucket, 1)):
                 return best
-            self.probe, self.probed = (not best, rounds), (bucket, not best)
-        mode, left = self.probe
-        self.probe = (mode, left - 1) if left > 1 else None
+            self.probe = Probe(mode=not best, bucket=bucket, left=rounds)
+        self.probe.left -= 1
         self.probing = True
-        return mode
+        return self.probe.mode
 
     def rate(self, drafted: bool, bucket: int) -> float:
         """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""
-        tokens, seconds = self.sums[(drafted, bucket)]
-        return tokens / max(seconds, 1e-6)
+        m = self.measured[(drafted, bucket)]
+        return m.tokens / max(m.seconds, 1e-6)
 
     def _count(self, drafted: bool, bucket: int) -> int:
-        return self.seen.get((drafted, bucket), [0])[0]
+        m = self.measured.get((drafted, bucket))
+        return m.rounds if m is not None else 0
 
     def observe(self, drafted: bool, n: int, tokens: int, seconds: float, catch_up: bool = False) -> None:
-        if catch_up:  # measure the round after it instead
+        if catch_up:  # measure the round after it instead (a catch-up round is drafted: a probe of drafting)
             if self.probing:
-                self.probe = (True, (self.probe[1] if self.probe else 0) + 1)
+                self.probe.left += 1
             return
-        key = (drafted, n.bit_length())
-        total, streak, last = self.seen.get(key, [0, 0, 0])
-        if self.rounds - last > self.probe_every:
-            streak = 0  # stale: start afresh
-        a = max(self.smoothing, 1.0 / (streak + 1))  # a fresh streak: its running mean
-        y = max(self.yield_smoothing, 1.0 / (total + 1))  # the running mean of every round, then a long EMA
         per_request = tokens / max(1, n)  # comparable across the batch sizes of one bucket
-        old_tokens, old_seconds = self.sums.get(key, (per_request, seconds))
-        self.sums[key] = ((1 - y) * old_tokens + y * per_request, (1 - a) * old_seconds + a * seconds)
-        self.seen[key] = [total + 1, streak + 1, self.rounds]
+        m = self.measured.setdefault((drafted, n.bit_length()), Measured(per_request, seconds))
+        if self.rounds - m.last > self.probe_every:
+            m.streak = 0  # stale: start afresh
+        a = max(self.smoothing, 1.0 / (m.streak + 1))  # a fresh streak: its running mean
+        y = max(self.yield_smoothing, 1.0 / (m.rounds + 1))  # the running mean of every round, then a long EMA
+        m.tokens = (1 - y) * m.tokens + y * per_request
+        m.seconds = (1 - a) * m.seconds + a * seconds
+        m.rounds, m.streak, m.last = m.rounds + 1, m.streak + 1, self.rounds

@@ -32,6 +32,7 @@ from orchestrator.models.target import TargetModel
 from orchestrator.runtime.messages import (
     DraftOutput,
     NewSequence,
+    Pair,
     Pairs,
     RoundOutput,
     SeqUpdate,
@@ -60,7 +61,7 @@ class _Seq:
     generator: torch.Generator | None
     length: int = 0  # tokens emitted
     root: int = -1  # last emitted token (not yet in the cache)
-    history: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # committed pairs
+    history: list[Pair] = field(default_factory=list)  # committed pairs, one per call that emitted tokens
 
 
 def _identity() -> dict:
@@ -143,12 +144,12 @@ class TargetWorker:
         parts, tokens = {}, sum(len(s.prompt_ids) for s in admitted)
         if admitted:
             seqs = [self.seqs[s.request_id] for s in admitted]
-            try:
+            try:  # out.logits [B, V] (each prompt's last position), out.aux_hidden [T, k * hidden]
                 out = self.model(
-                    torch.tensor([t for s in admitted for t in s.prompt_ids]),
+                    torch.tensor([t for s in admitted for t in s.prompt_ids]),  # [T] every prompt, packed
                     self.cache,
-                    torch.tensor([q.slot for q in seqs]),
-                    torch.tensor([len(s.prompt_ids) for s in admitted]),
+                    torch.tensor([q.slot for q in seqs]),  # [B]
+                    torch.tensor([len(s.prompt_ids) for s in admitted]),  # [B] tokens each
                     logits="last",
                 )
             except BaseException:
@@ -156,11 +157,11 @@ class TargetWorker:
                 raise
             offset = 0
             for row, (s, q) in enumerate(zip(admitted, seqs, strict=True)):
-                aux = out.aux_hidden[offset : offset + len(s.prompt_ids)]
+                aux = out.aux_hidden[offset : offset + len(s.prompt_ids)]  # [n, k * hidden]
                 offset += len(s.prompt_ids)
                 try:
                     token = self.verifier.verify(DraftTree.empty(), out.logits[row : row + 1], q.params, q.generator, 0)
-                    pair = (torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.to("cpu", copy=True))
+                    pair = Pair(torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.to("cpu", copy=True))
                     updates.append(self._emit(s.request_id, q, [token.next_token], pair, parts))
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
                     updates.append(self._fail(s.request_id, err))
@@ -181,26 +182,27 @@ class TargetWorker:
         chosen = [self._tree(r, q, keep[r], trees) for r, q in zip(ids, seqs, strict=True)]
         parts, verified = {}, sum(1 + t.size for t in chosen)
         if ids:
-            slots = torch.tensor([q.slot for q in seqs])
+            slots = torch.tensor([q.slot for q in seqs])  # [B]
+            # tokens [T] (T = sum of 1 + tree size), positions [T], num [B], block_mask: tree attention
             tokens, positions, num, block_mask = pack_trees([q.root for q in seqs], chosen, self.cache.lengths[slots])
             if verified == len(ids):  # target-only: plain causal decoding (no mask to apply: ~3% faster here)
                 positions = block_mask = None
-            try:
+            try:  # out.logits [T, V], out.aux_hidden [T, k * hidden]
                 out = self.model(tokens, self.cache, slots, num, positions=positions, block_mask=block_mask)
             except BaseException:
                 self.release(ids)
                 raise
             offset, compact = 0, {}
             for rid, q, tree in zip(ids, seqs, chosen, strict=True):
-                rows = slice(offset, offset + 1 + tree.size)
+                rows = slice(offset, offset + 1 + tree.size)  # its root and tree nodes
                 offset += 1 + tree.size
                 try:
                     verdict = self.verifier.verify(tree, out.logits[rows], q.params, q.generator, q.length)
-                    kept = torch.tensor([0] + [1 + i for i in verdict.accepted])
+                    kept = torch.tensor([0] + [1 + i for i in verdict.accepted])  # [a + 1] rows: root + accepted path
                     compact[q.slot] = kept
-                    emitted = [int(tree.tokens[i]) for i in verdict.accepted] + [verdict.next_token]
-                    aux = out.aux_hidden[rows][kept.to(out.aux_hidden.device)]
-                    pair = (torch.tensor(emitted), aux.to("cpu", copy=True))  # what the draft side is sent
+                    emitted = [int(tree.tokens[i]) for i in verdict.accepted] + [verdict.next_token]  # a + 1 tokens
+                    aux = out.aux_hidden[rows][kept.to(out.aux_hidden.device)]  # [a + 1, k * hidden]
+                    pair = Pair(torch.tensor(emitted), aux.to("cpu", copy=True))  # what the draft side is sent
                     update = self._emit(rid, q, emitted, pair, parts)
                     update.drafted, update.accepted = tree.size, len(verdict.accepted)
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
@@ -228,7 +230,7 @@ class TargetWorker:
         room = self.context - int(self.cache.lengths[q.slot]) - 1
         return tree if tree.size <= room else tree.subtree(list(range(max(0, room))))  # prefixes stay closed
 
-    def _emit(self, rid: str, q: _Seq, tokens: list[int], pair: tuple, parts: dict) -> SeqUpdate:
+    def _emit(self, rid: str, q: _Seq, tokens: list[int], pair: Pair, parts: dict[str, Pair]) -> SeqUpdate:
         """Append tokens up to EOS / max_tokens; a finished request frees its slot."""
         out, reason = [], None
         for token in tokens:
@@ -265,9 +267,10 @@ class TargetWorker:
             start = (since or {}).get(r, 0)
             if q is None or not q.history:
                 continue
-            tokens, aux = torch.cat([p[0] for p in q.history]), torch.cat([p[1] for p in q.history])
+            tokens = torch.cat([p.tokens for p in q.history])  # [m]
+            aux = torch.cat([p.aux for p in q.history])  # [m, k * hidden]
             if tokens.numel() > start:
-                parts[r] = (tokens[start:], aux[start:])
+                parts[r] = Pair(tokens[start:], aux[start:])
         pairs = Pairs.pack(parts, self.width)
         return pairs.nbytes, pairs
 
@@ -339,7 +342,7 @@ class DraftWorker:
             import ray
 
             pairs = [p if isinstance(p, Pairs) else ray.get(p) for p in pairs]
-        new: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        new: dict[str, list[Pair]] = {}
         for p in pairs:
             for rid, pair in p.split().items():
                 new.setdefault(rid, []).append(pair)
@@ -348,7 +351,7 @@ class DraftWorker:
             got = new.get(rid)
             if not got or rid in self.retired:
                 continue
-            count = sum(g[0].numel() for g in got)
+            count = sum(g.tokens.numel() for g in got)
             if self.max_context is not None and self.seen.get(rid, 0) + count + self.depth > self.max_context:
                 self.release([rid])
                 self.retired[rid] = None
@@ -359,23 +362,24 @@ class DraftWorker:
                     continue  # more requests than slots: this one goes undrafted
                 self.generators[rid] = new_generator(params, stream=1)  # never the target's stream
             self.seen[rid] = self.seen.get(rid, 0) + count
-            tokens, aux = torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+            tokens = torch.cat([g.tokens for g in got])  # [m] new since its last draft
+            aux = torch.cat([g.aux for g in got])  # [m, k * hidden]
             items.append(ProposeItem(rid, tokens, aux, params, self.generators[rid], budget))
         trees = dict(zip([i.request_id for i in items], self.proposer.propose(items), strict=True)) if items else {}
         sketches = {
-            rid: TreeSketch(t.parents, t.scores if t.scores is not None else torch.zeros(t.size))
+            rid: TreeSketch(t.parents, t.scores if t.scores is not None else torch.zeros(t.size))  # [n] each
             for rid, t in trees.items()
         }
         out = DraftOutput(
-            sketches,
-            time.perf_counter() - began,
-            stamp,
-            sum(p.nbytes for p in pairs),
-            self.incarnation,
-            {rid: self.seen[rid] for rid in trees},
-            retired,
-            self.free_slots,
-            payload_nbytes(trees),
+            sketches=sketches,
+            compute_s=time.perf_counter() - began,
+            started=stamp,
+            pairs_bytes=sum(p.nbytes for p in pairs),
+            incarnation=self.incarnation,
+            seen={rid: self.seen[rid] for rid in trees},
+            retired=retired,
+            free_slots=self.free_slots,
+            trees_bytes=payload_nbytes(trees),
         )
         return out, trees
 

@@ -91,9 +91,9 @@ class _Growing:
     base_position: int  # rope position of the last committed pair
     committed: int  # drafter cache length before speculation
     candidates: list[_Candidate] = field(default_factory=list)
-    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> drafter state (forwarded only)
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> draft logits (forwarded only)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # parent -> [vocab] its children's q
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> [hidden] drafter state (forwarded)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> [draft_vocab] (forwarded only)
     in_cache: list[int] = field(default_factory=list)  # candidates whose KV entries follow `committed`
 
 
@@ -136,12 +136,13 @@ class EagleProposer:
                 self.slots[item.request_id] = self.cache.allocate()
                 self.committed[item.request_id] = 0
             self.cache.truncate(self.slots[item.request_id], self.committed[item.request_id])
-        slots = torch.tensor([self.slots[i.request_id] for i in items])
-        num = torch.tensor([i.tokens.numel() for i in items])
-        aux = torch.cat([i.aux for i in items]).to(self.drafter.device, self.drafter.dtype)
-        hidden = self.drafter.combine_aux(aux)
+        slots = torch.tensor([self.slots[i.request_id] for i in items])  # [B]
+        num = torch.tensor([i.tokens.numel() for i in items])  # [B] new pairs each
+        aux = torch.cat([i.aux for i in items]).to(self.drafter.device, self.drafter.dtype)  # [M, k * target_hidden]
+        hidden = self.drafter.combine_aux(aux)  # [M, hidden]
+        # out.logits [M, draft_vocab], out.next_hidden [M, hidden]
         out = self.drafter(torch.cat([i.tokens for i in items]), hidden, self.cache, slots, num)
-        last = torch.cumsum(num, 0) - 1
+        last = torch.cumsum(num, 0) - 1  # [B] each request's last row
         growing = []
         for row, item in zip(last.tolist(), items, strict=True):
             committed = int(self.cache.lengths[self.slots[item.request_id]])
@@ -158,14 +159,14 @@ class EagleProposer:
         k = self.topk
         params = g.item.params
         if params.greedy:  # the top k over the draft vocabulary (everything else has probability 0)
-            top = torch.topk(torch.log_softmax(draft_logits.float(), dim=-1), k)
+            top = torch.topk(torch.log_softmax(draft_logits.float(), dim=-1), k)  # values, indices [k]
             tokens, logps = self.drafter.to_target_ids(top.indices).tolist(), top.values.tolist()
         else:
             logits = self.drafter.target_logits(draft_logits[None])[0]  # [vocab], -inf outside the draft vocab
-            q = probabilities(logits, params).cpu()  # drawn with the request's (CPU) generator
-            logq = torch.log(q)
+            q = probabilities(logits, params).cpu()  # [vocab], drawn with the request's (CPU) generator
+            logq = torch.log(q)  # [vocab]
             gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=g.item.generator).clamp_min(1e-20)))
-            keys = torch.topk(logq + gumbel, k)
+            keys = torch.topk(logq + gumbel, k)  # values, indices [k]
             drawn = keys.indices[torch.isfinite(keys.values)]  # drawn without replacement, in drawing order
             tokens, logps = drawn.tolist(), logq[drawn].tolist()
             g.draft_probs[parent] = q
@@ -186,7 +187,7 @@ class EagleProposer:
         tokens, hidden, positions, masks = [], [], [], []
         for g, nodes in expand:
             width = len(g.in_cache) + len(nodes)
-            mask = torch.zeros(len(nodes), width, dtype=torch.bool)
+            mask = torch.zeros(len(nodes), width, dtype=torch.bool)  # [nodes, drafted cache + nodes]
             for row, node in enumerate(nodes):
                 ancestors = set(_ancestors(g, node))
                 mask[row, : len(g.in_cache)] = torch.tensor([c in ancestors for c in g.in_cache], dtype=torch.bool)
@@ -198,15 +199,15 @@ class EagleProposer:
             masks.append(mask)
         width = max(m.shape[1] for m in masks)
         rows = max(m.shape[0] for m in masks)
-        block = torch.zeros(len(expand), rows, width, dtype=torch.bool)
+        block = torch.zeros(len(expand), rows, width, dtype=torch.bool)  # [B, most nodes, widest mask]
         for b, m in enumerate(masks):
             block[b, : m.shape[0], : m.shape[1]] = m
-        slots = torch.tensor([g.slot for g, _ in expand])
-        num = torch.tensor([len(nodes) for _, nodes in expand])
-        starts = torch.tensor([g.committed for g, _ in expand])
-        out = self.drafter(
-            torch.tensor(tokens),
-            torch.stack(hidden),
+        slots = torch.tensor([g.slot for g, _ in expand])  # [B]
+        num = torch.tensor([len(nodes) for _, nodes in expand])  # [B] nodes each (N in all)
+        starts = torch.tensor([g.committed for g, _ in expand])  # [B] where each one's mask starts
+        out = self.drafter(  # out.logits [N, draft_vocab], out.next_hidden [N, hidden]
+            torch.tensor(tokens),  # [N]
+            torch.stack(hidden),  # [N, hidden] each node's parent state
             self.cache,
             slots,
             num,
@@ -234,10 +235,10 @@ class EagleProposer:
             chosen.append(best[1])
         chosen.sort(key=lambda i: (cands[i].depth, i))  # parents first, siblings in drawing order
         index = {node: pos for pos, node in enumerate(chosen)}
-        tokens = torch.tensor([cands[i].token for i in chosen])
-        parents = torch.tensor([index[cands[i].parent] if cands[i].parent >= 0 else -1 for i in chosen])
+        tokens = torch.tensor([cands[i].token for i in chosen])  # [n]
+        parents = torch.tensor([index[cands[i].parent] if cands[i].parent >= 0 else -1 for i in chosen])  # [n]
         probs = {index.get(p, -1) if p >= 0 else -1: q for p, q in g.draft_probs.items() if p < 0 or p in index}
-        scores = torch.tensor([cands[i].score for i in chosen])
+        scores = torch.tensor([cands[i].score for i in chosen])  # [n] cumulative draft log-probability
         return DraftTree(tokens, parents, probs, scores)
 
 

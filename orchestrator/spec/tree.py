@@ -77,8 +77,8 @@ class DraftTree:
         """
         index = {node: i for i, node in enumerate(keep)}
         assert all(int(self.parents[n]) < 0 or int(self.parents[n]) in index for n in keep), "parent dropped"
-        rows = torch.tensor(keep, dtype=torch.long)
-        parents = torch.tensor([index.get(int(self.parents[n]), -1) for n in keep], dtype=torch.long)
+        rows = torch.tensor(keep, dtype=torch.long)  # [m]
+        parents = torch.tensor([index.get(int(self.parents[n]), -1) for n in keep], dtype=torch.long)  # [m]
         probs = {index[p] if p >= 0 else -1: q for p, q in self.draft_probs.items() if p < 0 or p in index}
         scores = None if self.scores is None else self.scores[rows]
         return DraftTree(self.tokens[rows], parents, probs, scores)

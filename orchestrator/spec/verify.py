@@ -36,12 +36,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # [..., vocab] each
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [..., vocab]
         sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)  # always keeps the top token
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -56,8 +56,8 @@ def seeded_choice(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> to
     out = torch.empty(probs.shape[0], dtype=torch.long)
     for i, position in enumerate(positions.tolist()):
         mixed = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) % 2**63
-        u = torch.rand(probs.shape[-1], generator=torch.Generator().manual_seed(mixed), dtype=torch.float64)
-        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))
+        u = torch.rand(probs.shape[-1], generator=torch.Generator().manual_seed(mixed), dtype=torch.float64)  # [V]
+        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))  # [vocab]
         out[i] = torch.argmax(torch.log(probs[i].double().cpu()) + gumbel)
     return out
 
@@ -90,7 +90,7 @@ class Verifier:
             return self.greedy(tree, logits.argmax(dim=-1))
         probs = probabilities(logits, params)
         if params.seed is not None:
-            positions = position + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+            positions = position + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])  # [n+1]
             return self.greedy(tree, seeded_choice(probs, params.seed, positions))
         return self.sample(tree, probs.cpu(), generator)  # request generators are CPU ones, on every device
 
@@ -118,8 +118,8 @@ class Verifier:
         children, tokens = self._children(tree), tree.tokens.tolist()
         node, accepted = -1, []
         while True:
-            p = probs[node + 1].double()
-            q = tree.draft_probs.get(node)
+            p = probs[node + 1].double()  # [vocab] the target's, then the residual
+            q = tree.draft_probs.get(node)  # [vocab] the drafter's for this node's children, or None (point masses)
             q = None if q is None else q.double().clone()
             for child in children.get(node, ()):
                 x = tokens[child]

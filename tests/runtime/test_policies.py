@@ -164,7 +164,7 @@ def test_mode_chooser_skips_catch_up_rounds_replaces_stale_costs_and_keeps_the_y
     # 2 rounds of 8 tokens after 4 of 2 make 4, not 8
     for _ in range(2):
         modes.observe(True, 1, tokens=8, seconds=0.5)
-    assert modes.sums[(True, 1)][0] == pytest.approx(4.0)
+    assert modes.measured[(True, 1)].tokens == pytest.approx(4.0)
 
 
 def _simulated_share_drafted(modes: ModeChooser, accept: float, seed: int) -> float:

@@ -255,7 +255,7 @@ def test_each_micro_batch_has_its_own_mode_chooser():
     a, b = (g.modes for g in h.scheduler.groups)
     assert a is not b
     a.observe(True, 1, tokens=4, seconds=1.0)
-    assert not b.sums
+    assert not b.measured
 
 
 def test_seeded_sampling_is_the_same_with_and_without_drafts_and_at_any_batch():
