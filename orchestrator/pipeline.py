@@ -30,6 +30,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -86,6 +87,25 @@ class DeployStage(StageFile):
 
 class BenchmarkStage(StageFile):
     enabled: bool = True
+
+
+@dataclass(frozen=True)
+class Collection:
+    """The data the training reads: a stored collection (offline), or shards each trainer captures as it reads
+    (online: nothing is stored, and the manifest is the one its training planned, in that run's params)."""
+
+    online: bool
+    data_key: str  # what a training is keyed on: the manifest's sha256, or (online) the collect config's fingerprint
+    output: str | None = None  # offline: where the shards and manifest.json are
+    manifest_sha256: str | None = None  # offline: manifest.json's sha256
+    run_id: str | None = None  # offline: the collect stage's MLflow run
+    summary: dict = field(default_factory=dict)  # offline: the collection job's result, without its datasets
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Collection:
+        """From state.json (a result recorded before `online` and `data_key` existed is an offline one)."""
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**{"online": False, "data_key": d.get("manifest_sha256"), **known})
 
 
 class PipelineConfig(StrictModel):
@@ -295,7 +315,7 @@ class Pipeline:
         self.report.update(
             seconds=round(time.monotonic() - began, 1),
             mlflow={"tracking_uri": self.uri_shown(), "pipeline_run": self.parent},
-            collection=collection,
+            collection=asdict(collection),
             trained=trained,
             evaluation=evaluation,
             gate=gate,
@@ -338,7 +358,7 @@ class Pipeline:
                 {k: v for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)},
                 {"manifest.json": raw, "result.json": result},
             )
-            return {"output": result["output"], "manifest_sha256": sha, "run_id": run_id, "summary": summary}
+            return asdict(Collection(False, sha, result["output"], sha, run_id, summary))
 
         def still_there(result: dict) -> bool:
             storage = open_storage(cfg.output)
@@ -347,31 +367,29 @@ class Pipeline:
                 and hashlib.sha256(storage.read_bytes("manifest.json")).hexdigest() == result["manifest_sha256"]
             )
 
-        return self.stage("collect", fingerprint(cfg.model_dump(mode="json")), body, still_there)
+        return Collection.from_dict(self.stage("collect", fingerprint(cfg.model_dump(mode="json")), body, still_there))
 
-    def online_data(self) -> dict:
+    def online_data(self) -> Collection:
         """train.data: online: no collect stage; the training captures the collect config's shards as it reads."""
         self._skip("collect", "train.data is online: the trainers read hidden states captured for them")
-        ident = fingerprint(self.cfg.collect.model_dump(mode="json"))
-        return {"output": "online", "manifest_sha256": ident, "run_id": None, "online": self.cfg.collect}
+        return Collection(online=True, data_key=fingerprint(self.cfg.collect.model_dump(mode="json")))
 
-    def train(self, model_dir: Path, collection: dict, variant: str) -> dict:
+    def train(self, model_dir: Path, collection: Collection, variant: str) -> dict:
         from orchestrator.train.config import OnlineData, TrainConfig
         from orchestrator.train.run import run_training
 
-        online = collection["output"] == "online"
-        wiring = [*self._train_wiring(model_dir), f"data={collection['output'] if not online else 'unused'}"]
+        wiring = [*self._train_wiring(model_dir), f"data={collection.output if not collection.online else 'unused'}"]
         base = self.load("train", TrainConfig, self.cfg.train, wiring).model_dump()
         base["drafter"]["variant"] = variant
         if variant in self.cfg.train.init_from:  # fine-tuned: the base drafter's weights and vocabulary
             base["drafter"].update(init_from=self.cfg.train.init_from[variant], draft_vocab_coverage=None)
-        if online:
+        if collection.online:
             base["data"] = "online"
             base["online"] = OnlineData(
                 collect=self.cfg.collect.config, overrides=self.cfg.collect.overrides
             ).model_dump()
         cfg = TrainConfig.model_validate(base)
-        fp = fingerprint(cfg.model_dump(mode="json", exclude={"name", "output"}), collection["manifest_sha256"])
+        fp = fingerprint(cfg.model_dump(mode="json", exclude={"name", "output"}), collection.data_key)
         # one training run per (config, data): a changed config trains afresh, the same one resumes its checkpoint
         cfg = cfg.model_copy(
             update={"name": f"{self.cfg.name}-{variant}-{fp[:8]}", "output": str(self.out / "drafters" / variant)}
@@ -419,7 +437,7 @@ class Pipeline:
             return None
         return f"models:/{self.cfg.registered_model}/{v.version}"
 
-    def evaluate(self, collection: dict, trained: dict) -> dict:
+    def evaluate(self, collection: Collection, trained: dict) -> dict:
         from orchestrator.evaluation import EvalConfig, run_evaluation
 
         drafters = [{"name": v, "source": r["registered"]} for v, r in trained.items()]
@@ -429,7 +447,7 @@ class Pipeline:
         wiring = [
             f"model={self.cfg.model}",
             f"models_dir={self.cfg.models_dir}",
-            f"data={collection['output'] if collection['output'] != 'online' else 'null'}",
+            f"data={collection.output if not collection.online else 'null'}",
             f"output_dir={self.out / 'evaluate'}",
             *([f"mlflow_tracking_uri={self.cfg.mlflow_tracking_uri}"] if self.cfg.mlflow_tracking_uri else []),
         ]
@@ -460,7 +478,7 @@ class Pipeline:
             raise AerieError(f"gate set {set_name!r} was not evaluated: {list(method['sets'])}")
         return method["sets"][set_name]["acceptance_length"]
 
-    def gate(self, trained: dict, evaluation: dict, collection: dict) -> dict:
+    def gate(self, trained: dict, evaluation: dict, collection: Collection) -> dict:
         """The candidate (the first variant) against production (the registered version, else its base drafter):
         it must beat production on gate.beat (the new data's held-out split) and hold on gate.hold (MT-Bench)."""
         g = self.cfg.gate
@@ -498,19 +516,19 @@ class Pipeline:
         self.report["stages"]["gate"] = {"status": "ran", "passed": passed}
         return gate
 
-    def _tag_versions(self, trained: dict, evaluation: dict, gate: dict, collection: dict) -> None:
+    def _tag_versions(self, trained: dict, evaluation: dict, gate: dict, collection: Collection) -> None:
         """What a user walking back from a version needs: data, training, evaluation, the gate, this pipeline."""
         for variant, result in trained.items():
             registered = ModelUri.parse(result["registered"])
             name, version = registered.name, registered.version
-            location, sha = collection["output"], collection["manifest_sha256"]
-            if location == "online":  # the manifest the training planned and hashed; the config it came from
+            location, sha = collection.output, collection.manifest_sha256
+            if collection.online:  # the manifest the training planned and hashed; the config it came from
                 location = f"online:{self.cfg.collect.config}"
                 sha = self.mlflow.get_run(result["mlflow_run_id"]).data.params["data.manifest_sha256"]
             tags = {
                 "aerie.collection": location,
                 "aerie.collection.manifest_sha256": sha,
-                "aerie.collection.run_id": collection["run_id"] or "",
+                "aerie.collection.run_id": collection.run_id or "",
                 "aerie.training.run_id": result["mlflow_run_id"],
                 "aerie.evaluation.run_id": evaluation["mlflow_run_id"],
                 "aerie.pipeline.run_id": result.get("pipeline_run_id", self.parent),

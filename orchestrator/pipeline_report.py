@@ -92,7 +92,7 @@ def markdown(report: dict, plots: list[Path]) -> str:
     summary = c.get("summary", {})
     data = (
         "hidden states captured while training (`train.data: online`): nothing stored"
-        if c["output"] == "online"
+        if c["online"]
         else f"`{c['output']}`: {summary.get('total_tokens', '?')} tokens, {summary.get('shards_planned', '?')} "
         f"shards, manifest sha256 `{c['manifest_sha256']}` (MLflow run `{c['run_id']}`)."
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import AerieError
-from orchestrator.pipeline import Pipeline, PipelineConfig
+from orchestrator.pipeline import Collection, Pipeline, PipelineConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,7 +195,7 @@ def test_the_gate_compares_the_candidate_with_the_version_in_production(pipeline
             "eagle3": {"source": "models:/r/1", **_evaluated(1.6)},
         },
     }
-    collection = {"output": "data", "manifest_sha256": "sha", "run_id": "collect"}
+    collection = Collection(False, "sha", "data", "sha", "collect")
     gate = pipeline.gate(trained, evaluation, collection)
     assert gate["production"] == "models:/r/1" and gate["production_tau"]["mtbench"] == 1.6 and not gate["passed"]
     assert registry.get_model_version("r", "2").tags["aerie.gate"] == "failed"
@@ -231,7 +231,7 @@ def test_a_fine_tuned_candidate_must_beat_its_base_on_new_data_and_hold_on_mtben
             "eagle3.1": {"source": "models:/r/1", **_evaluated(mtbench, validation=validation)},
         },
     }
-    gate = pipeline.gate(trained, evaluation, {"output": "data", "manifest_sha256": "sha", "run_id": "c"})
+    gate = pipeline.gate(trained, evaluation, Collection(False, "sha", "data", "sha", "c"))
     assert gate["production"] == "drafters/base" and gate["passed"] == passed
     assert gate["production_tau"] == {"validation": 1.7, "mtbench": 1.5}
     assert (f"failed on {failed_on}" in gate["reason"]) if failed_on else ("failed" not in gate["reason"])
@@ -254,7 +254,7 @@ def test_the_candidate_is_fine_tuned_from_its_base_and_the_baseline_starts_fresh
     monkeypatch.setattr("orchestrator.train.run.run_training", fake_training)
     pipeline = Pipeline(cfg)
     monkeypatch.setattr(pipeline, "adopt", lambda run_id: None)
-    collection = {"output": str(tmp_path / "collection"), "manifest_sha256": "sha"}
+    collection = Collection(False, "sha", str(tmp_path / "collection"), "sha")
     for variant in ("eagle3.1", "eagle3"):
         pipeline.train(tmp_path / "model", collection, variant)
     assert seen["eagle3.1"].init_from == cfg.train.init_from["eagle3.1"]

@@ -28,7 +28,17 @@ def plan(smollm2_tokenizer) -> ShardPlan:
 
 def _shard(smollm2_dir, plan: ShardPlan, compute_dtype: str) -> dict:
     worker_cls = _capture_worker_class().__ray_actor_class__
-    worker = worker_cls(str(smollm2_dir), AUX, None, "float32", compute_dtype, 1024, 2, "target", 256, device="cpu")
+    cfg = CollectConfig(
+        model=str(smollm2_dir),
+        sources=[{"kind": "chitchat"}],
+        output="unused",
+        dtype="float32",
+        compute_dtype=compute_dtype,
+        batch_tokens=1024,
+        max_length_tokens=256,
+        worker={"torch_threads": 2, "device": "cpu"},
+    )
+    worker = worker_cls(cfg, str(smollm2_dir), AUX, write=False)
     return read_shard(worker.shard(plan))
 
 
