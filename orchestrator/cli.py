@@ -258,8 +258,9 @@ def serve_app(
     application behind the router on Ray (local, or the cluster at `address`) as backend `NAME-1`, so that
     `jobs.deploy` can later roll a new drafter out to it; returns the URL clients use."""
     from orchestrator.cluster import configured_address
+    from orchestrator.serving.backends import BACKENDS, backend_of
     from orchestrator.serving.guard import API_KEY_ENV, API_KEY_FILE_ENV, default_key_file, ensure_local_key
-    from orchestrator.serving.launch import BACKENDS, backend_of, read_serve_config
+    from orchestrator.serving.launch import read_serve_config
     from orchestrator.serving.rollout import DeployConfig, deploy_initial
 
     if path is None:

@@ -22,7 +22,8 @@ from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
-from orchestrator.serving.launch import backend_of, build_application, read_serve_config
+from orchestrator.serving.backends import backend_of, build_application
+from orchestrator.serving.launch import read_serve_config
 from orchestrator.spec.acceptance import Acceptance
 
 log = logging.getLogger(__name__)

@@ -34,14 +34,13 @@ from pydantic import Field
 from ray import serve
 
 from orchestrator.cluster import WorkerResources
-from orchestrator.config import StrictModel
 from orchestrator.data.prompts import render_chat
 from orchestrator.errors import AerieError
 from orchestrator.models.device import DtypeName
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
+from orchestrator.serving.backends import ServedModel, import_object
 from orchestrator.serving.guard import Guard, api_keys
-from orchestrator.serving.launch import import_object
 from orchestrator.serving.protocol import Chunker, Limits, RequestError, check_request, error_body, sse, usage
 from orchestrator.spec.proposer import SpecConfig
 from orchestrator.tracking.store import DrafterRef
@@ -49,14 +48,9 @@ from orchestrator.tracking.store import DrafterRef
 log = logging.getLogger(__name__)
 
 
-class SpecServeConfig(StrictModel):
+class SpecServeConfig(ServedModel):
     """The application's `args` in a Serve config file."""
 
-    model: str = Field(description="target: a Hugging Face directory or a packaged model name")
-    served_model_name: str | None = Field(None, description="the `model` clients send (default: the model's name)")
-    models_dir: str = Field("models", description="where packaged models are prepared")
-    drafter: str | None = Field(None, description="drafter: a directory, s3://... or models:/NAME@ALIAS")
-    speculation: bool = Field(True, description="False: target-only rounds (the baseline, same code)")
     dtype: DtypeName = Field("auto", description="weights and KV caches: auto = bfloat16 on CUDA, float32 on CPU")
     max_model_len: int | None = Field(
         None, ge=16, description="context per request (prompt + output); sizes the KV caches (default: the model's)"

@@ -12,7 +12,7 @@ import json
 import re
 import urllib.request
 
-from orchestrator.serving.launch import BACKENDS, backend_of
+from orchestrator.serving.backends import BACKENDS, backend_of
 from orchestrator.spec.acceptance import Acceptance
 
 

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 
 from orchestrator.errors import AerieError
+from orchestrator.serving.backends import build_application
 from orchestrator.serving.counters import backend_counters, running_import_path
-from orchestrator.serving.launch import app_resources, build_application
+from orchestrator.serving.launch import app_resources
 from orchestrator.serving.placement import PlacementWatch, check_placeable, fmt_resources, wait_running
 from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig, forget_routes
 from orchestrator.spec.acceptance import Acceptance

@@ -5,7 +5,6 @@ starts. `aerie serve`, `jobs.deploy` and the serving benchmark read and build th
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import yaml
@@ -13,26 +12,7 @@ from omegaconf import OmegaConf
 
 from orchestrator.config import describe_validation_error
 from orchestrator.errors import AerieError
-
-BACKENDS = {
-    "disaggregated": ("orchestrator.serving.app:build_app", "configs/smollm2-135m/serve.yaml"),
-    "vllm": ("orchestrator.serving.vllm_app:build_app", "configs/smollm2-135m/serve-vllm.yaml"),
-}
-
-
-def backend_of(import_path: str) -> str | None:
-    return next((name for name, (path, _) in BACKENDS.items() if path == import_path), None)
-
-
-def import_object(path: str):
-    """`module:name` (a Serve config's `import_path`, a proposer factory) -> that object."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def build_application(app: dict, **args):
-    """A Serve application from a config's application entry (`read_serve_config`), `args` overriding its own."""
-    return import_object(app["import_path"])(app["args"] | args)
+from orchestrator.serving.backends import backend_of
 
 
 def read_serve_config(path: str | Path, overrides: list[str] | None = None) -> tuple[dict, dict]:

@@ -30,19 +30,14 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from orchestrator.config import StrictModel
 from orchestrator.models.device import DtypeName
+from orchestrator.serving.backends import ServedModel
 from orchestrator.serving.protocol import Limits
 
 
-class VllmServeConfig(StrictModel):
+class VllmServeConfig(ServedModel):
     """The application's `args` in a Serve config file (backend `vllm`)."""
 
-    model: str = Field(description="target: a Hugging Face directory or a packaged model name")
-    served_model_name: str | None = Field(None, description="the `model` clients send (default: the model's name)")
-    models_dir: str = Field("models", description="where packaged models are prepared")
-    drafter: str | None = Field(None, description="drafter: a directory, s3://... or models:/NAME@ALIAS")
-    speculation: bool = Field(True, description="False: no drafter (the baseline, same deployment code)")
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="draft tokens per step (vLLM drafts chains)")
     max_model_len: int = Field(2048, ge=16, description="context length the engine is sized for")
     dtype: DtypeName = Field("auto", description="weights and KV cache: auto = bfloat16 on GPUs, float32 on the CPU")
