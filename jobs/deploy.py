@@ -2,7 +2,8 @@
 
 python -m jobs.deploy --config configs/smollm2-135m/deploy.yaml drafter=models:/NAME@candidate
 
-Exit status 0: deployed (initial or promoted); 1: rolled back or the candidate failed to start. Interrupted
+Exit status 0: deployed (initial or promoted); 1: rolled back, inconclusive (the canary's test undecided when
+the longest window ended) or the candidate failed to start. Interrupted
 (Ctrl-C, or SIGTERM from `ray job stop`) while a canary runs, it first gives all traffic back to the stable
 backend, then removes the canary.
 """

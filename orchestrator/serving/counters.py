@@ -35,6 +35,7 @@ _VLLM = {
     "draft_tokens": "spec_decode_num_draft_tokens",
     "accepted": "spec_decode_num_accepted_tokens",
 }
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # label `position`: 0, 1, ...
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
 
 
@@ -50,6 +51,7 @@ def vllm_counters_by_replica(app: str) -> dict[str, Acceptance]:
 
     replicas = {name.rsplit("#", 1)[-1] for name in replica_actors(app)}
     totals: dict[str, dict[str, float]] = {}
+    per_pos: dict[str, dict[int, float]] = {}  # replica -> position -> drafts whose accepted path reached it
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
@@ -64,11 +66,19 @@ def vllm_counters_by_replica(app: str) -> dict[str, Acceptance]:
             replica = labels.get("ReplicaId")
             if replica not in replicas:
                 continue
+            if m["name"] == f"ray_vllm_{_PER_POS}_total" and labels.get("position", "").isdigit():
+                positions = per_pos.setdefault(replica, {})
+                positions[int(labels["position"])] = positions.get(int(labels["position"]), 0.0) + float(m["value"])
             for key, metric in _VLLM.items():
                 if m["name"] == f"ray_vllm_{metric}_total":
                     counts = totals.setdefault(replica, dict.fromkeys(_VLLM, 0.0))
                     counts[key] += float(m["value"])
-    return {r: Acceptance(int(c["drafts"]), int(c["draft_tokens"]), int(c["accepted"])) for r, c in totals.items()}
+    out = {}
+    for r, c in totals.items():
+        positions = per_pos.get(r, {})
+        accepted_per_pos = [int(positions.get(d, 0)) for d in range(max(positions, default=-1) + 1)]
+        out[r] = Acceptance(int(c["drafts"]), int(c["draft_tokens"]), int(c["accepted"]), accepted_per_pos)
+    return out
 
 
 def backend_counters(app: str, import_path: str, proxy: str) -> dict[str, Acceptance]:

@@ -8,9 +8,12 @@ A served model is a router application (`name`, route /) in front of backend app
                              and was deleted, the stable backend untouched ("failed")
     STARTING -> CANARY       the router sends it `canary_weight` of new requests; both backends' acceptance
                              lengths are read from their counters over the same window
-    CANARY -> RETIRING       decided: "promoted" if canary >= stable - tolerance, else "rolled back"; or
-                             "interrupted" (Ctrl-C, `ray job stop`, a failure): the winner (the stable backend
-                             when interrupted) takes all traffic, the loser drains and is deleted
+    CANARY -> RETIRING       decided by a sequential test on both sides' drafts (canary.py): "promoted" when
+                             the canary's acceptance is no worse than stable's by more than `tolerance`, with
+                             confidence; "rolled back" when it is worse (or accepts nothing); "inconclusive"
+                             when the longest window ends first; or "interrupted" (Ctrl-C, `ray job stop`, a
+                             failure). The winner (the stable backend unless promoted) takes all traffic, the
+                             loser drains and is deleted
     STARTING -> RETIRING     interrupted while the routes were being split
     RETIRING -> DONE
 
@@ -30,16 +33,20 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
+from orchestrator.serving.canary import CanaryTest
 from orchestrator.serving.counters import CounterWindow
 from orchestrator.serving.deployments import EventLog, ServeDeployments, undeploy
 from orchestrator.serving.launch import read_serve_config
 from orchestrator.serving.router import Route
 from orchestrator.spec.acceptance import Acceptance
+
+T = TypeVar("T")
 
 __all__ = ["DeployConfig", "Phase", "Rollout", "deploy_initial", "run_rollout", "undeploy"]
 
@@ -59,9 +66,14 @@ class DeployConfig(StrictModel):
     port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP proxy port")
     canary_weight: float = Field(0.25, gt=0, lt=1, description="share of new requests the candidate takes")
     window_s: float = Field(60, gt=0, description="shortest canary watch")
-    max_window_s: float = Field(600, gt=0, description="longest canary watch waiting for min_drafts")
-    min_drafts: int = Field(50, ge=1, description="drafted request-steps each side needs before a decision")
-    tolerance: float = Field(0.1, ge=0, description="promote if canary acceptance >= stable's minus this")
+    max_window_s: float = Field(600, gt=0, description="longest canary watch: undecided by then, it is inconclusive")
+    min_drafts: int = Field(50, ge=1, description="drafted request-steps each side needs before the first look")
+    tolerance: float = Field(
+        0.1, ge=0, description="promote when canary acceptance is confidently >= stable's minus this (canary.py)"
+    )
+    alpha: float = Field(
+        0.05, gt=0, lt=0.5, description="chance of a wrong decision the test allows, all looks together"
+    )
     startup_timeout_s: float = Field(900, gt=0, description="longest a new backend may take to come up")
     placement_timeout_s: float = Field(
         120, gt=0, description="longest a new backend's workers may wait for resources before it fails"
@@ -90,7 +102,7 @@ TRANSITIONS: dict[tuple[Phase, Phase], frozenset[str | None]] = {
     (Phase.STARTING, Phase.DONE): frozenset({"initial", "failed"}),
     (Phase.STARTING, Phase.CANARY): frozenset({None}),
     (Phase.STARTING, Phase.RETIRING): frozenset({"interrupted"}),
-    (Phase.CANARY, Phase.RETIRING): frozenset({"promoted", "rolled back", "interrupted"}),
+    (Phase.CANARY, Phase.RETIRING): frozenset({"promoted", "rolled back", "inconclusive", "interrupted"}),
     (Phase.RETIRING, Phase.DONE): frozenset({None}),
 }
 
@@ -164,23 +176,22 @@ class Rollout:
         except BaseException:
             self.d.delete(canary.app)
             raise
+        test = CanaryTest(self.cfg.tolerance, self.cfg.min_drafts, self.cfg.alpha)
         try:
             paths = {stable.app: self.d.import_path_of(stable.app), canary.app: config_app["import_path"]}
             self.d.set_routes([stable.model_copy(update={"weight": 1 - self.cfg.canary_weight}), canary])
             self.to(Phase.CANARY)
-            watched = self.watch(paths)
+            watched, verdict = self.watch(paths, lambda now, final: test.look(now[stable.app], now[canary.app], final))
         except BaseException as err:  # a failure or an interrupt (Ctrl-C, `ray job stop`) while the canary runs
             self.to(Phase.RETIRING, "interrupted", reason=repr(err)[:300])
             self.retire(stable, canary)
             self.to(Phase.DONE)
             self.finish()
             raise
-        stable_al, canary_al = watched[stable.app].acceptance_length, watched[canary.app].acceptance_length
-        promote = canary_al >= stable_al - self.cfg.tolerance
         self.record["acceptance"] = {app: a.summary() for app, a in watched.items()}
-        reason = f"canary {canary_al:.3f} vs stable {stable_al:.3f} - tolerance {self.cfg.tolerance}"
-        self.to(Phase.RETIRING, "promoted" if promote else "rolled back", reason=reason)
-        winner, loser = (canary, stable) if promote else (stable, canary)
+        self.record["test"] = verdict.to_dict()
+        self.to(Phase.RETIRING, verdict.decision, reason=verdict.reason)
+        winner, loser = (canary, stable) if verdict.decision == "promoted" else (stable, canary)
         self.retire(winner, loser)
         self.record["app"] = winner.app
         self.to(Phase.DONE)
@@ -195,11 +206,11 @@ class Rollout:
         self.timeline.append(row)
         return row
 
-    def watch(self, paths: dict[str, str]) -> dict[str, Acceptance]:
-        """Acceptance of every app over a window of at least window_s and min_drafts on each side. The counters
-        are read at every poll, the first read starting the window (`CounterWindow`: every replica answering,
-        restarts counted on); a read that fails (timed out under load) is read again at the next poll: nothing is
-        lost."""
+    def watch(self, paths: dict[str, str], until: Callable[[dict[str, Acceptance], bool], T | None]):
+        """Acceptance of every app from the first read on, until `until(acceptance by app, final)` answers (not
+        None) once window_s has passed, or, with final=True, at max_window_s; returns (acceptance, answer). The
+        counters are read at every poll (`CounterWindow`: every replica answering, restarts counted on); a read
+        that fails (timed out under load) is read again at the next poll: nothing is lost."""
         cfg = self.cfg
         windows = {app: CounterWindow() for app in paths}
         start = self.clock()
@@ -221,8 +232,9 @@ class Rollout:
                 if elapsed >= cfg.window_s:
                     now = {app: w.total() for app, w in windows.items()}
                     self.event("watch", **{app: a.summary() for app, a in now.items()})
-                    if all(a.drafts >= cfg.min_drafts for a in now.values()) or elapsed >= cfg.max_window_s:
-                        return now
+                    answer = until(now, elapsed >= cfg.max_window_s)
+                    if answer is not None:
+                        return now, answer
             self.sleep(cfg.poll_s)
 
     def drain(self, app: str) -> None:

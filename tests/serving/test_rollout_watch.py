@@ -36,12 +36,14 @@ class Clock:
 
 
 class FakeDeployments:
-    """What `Rollout` drives, in memory. Per app, a replica that drafts 10 more request-steps between reads,
-    accepting `accept[app]` tokens each; reads listed in `fail` (1-based, over all apps, or "all") time out.
-    In-flight requests at a backend drain one per poll after it stops getting traffic."""
+    """What `Rollout` drives, in memory. Per app, a replica that drafts 10 more request-steps (3 tokens each)
+    between reads, each draft token accepted with probability `accept[app]` (default 2/3) while the path holds;
+    reads listed in `fail` (1-based, over all apps, or "all") time out. In-flight requests at a backend drain one
+    per poll after it stops getting traffic."""
 
     def __init__(self, accept: dict | None = None, fail: set | None = None, start_fails: BaseException | None = None):
         self.accept, self.fail, self.start_fails = accept or {}, fail or set(), start_fails
+        self.rng, self.counters_of = random.Random(0), {}
         self.routes: list | None = None
         self.apps: dict[str, str] = {}  # app -> import path
         self.deleted: list[str] = []
@@ -86,8 +88,13 @@ class FakeDeployments:
         self.reads += 1
         if self.reads in self.fail or "all" in self.fail:
             raise TimeoutError("timed out")
-        self.drafts[app] = self.drafts.get(app, 0) + 10
-        return {"r1": _acc(self.drafts[app], self.accept.get(app, 2))}
+        a = self.counters_of.setdefault(app, Acceptance())
+        for _ in range(10):
+            accepted = 0
+            while accepted < 3 and self.rng.random() < self.accept.get(app, 2 / 3):
+                accepted += 1
+            a.record(3, accepted)
+        return {"r1": a + Acceptance()}  # a copy: the window keeps what it read
 
 
 APP = {"import_path": "orchestrator.serving.app:build_app", "args": {}}
@@ -128,31 +135,47 @@ def test_the_rollout_state_machine_takes_every_transition_with_fake_backends(tmp
         _rollout(_cfg(tmp_path), d)[0].run(APP, "v1")
 
     # promoted: STARTING -> CANARY -> RETIRING -> DONE; the loser drained, then deleted
-    d.accept = {"m-1": 1, "m-2": 2}
+    d.accept = {"m-1": 0.4, "m-2": 0.8}
     ro, t = _rollout(_cfg(tmp_path), d)
     record = ro.run(APP, "v2")
     taken += t
     assert record["decision"] == "promoted" and record["app"] == "m-2" and "m-1" in d.deleted
-    assert record["acceptance"]["m-2"]["acceptance_length"] == 3.0 and record["acceptance"]["m-1"]["drafts"] >= 20
+    acceptance = record["acceptance"]
+    assert acceptance["m-2"]["acceptance_length"] > acceptance["m-1"]["acceptance_length"] + 1
+    assert record["test"]["low"] >= -0.1 and min(record["test"]["stable_drafts"], record["test"]["canary_drafts"]) >= 20
     events = [e["event"] for e in record["events"]]
     assert events.index("drained") < events.index("deleted") and events[-2:] == ["deleted", "done"]
     assert d.calls[-3:] == ["set_routes m-2:1 m-1:0", "set_routes m-2:1", "delete m-1"]
     assert [r.app for r in d.routes] == ["m-2"]
 
-    # rolled back: the candidate accepts 1 token less than the stable one
-    d.accept = {"m-2": 2, "m-3": 1}
+    # rolled back: the candidate accepts about 1.3 tokens per draft less than the stable one
+    d.accept = {"m-2": 0.8, "m-3": 0.4}
     ro, t = _rollout(_cfg(tmp_path), d)
     record = ro.run(APP, "v3")
     taken += t
     assert record["decision"] == "rolled back" and record["app"] == "m-2" and [r.app for r in d.routes] == ["m-2"]
-    assert record["reason"] == "canary 2.000 vs stable 3.000 - tolerance 0.1"
+    assert record["test"]["high"] < -0.1 and record["reason"].startswith("canary 1.")
+    assert "interval" in record["reason"] and "tolerance 0.1" in record["reason"]
+
+    # rolled back: a candidate that accepts nothing, whatever the tolerance
+    d.accept = {"m-2": 0.8, "m-4": 0.0}
+    record = _rollout(_cfg(tmp_path, tolerance=5.0), d)[0].run(APP, "v3b")
+    assert record["decision"] == "rolled back" and record["reason"].startswith("the canary accepted none of its")
+
+    # inconclusive: as good as the stable one, asked to be no worse by 0: undecided when the window ends
+    d.accept = {"m-2": 0.6, "m-5": 0.6}
+    ro, t = _rollout(_cfg(tmp_path, tolerance=0.0, max_window_s=60), d)
+    record = ro.run(APP, "v3c")
+    taken += t
+    assert record["decision"] == "inconclusive" and record["reason"].endswith("the window ended undecided")
+    assert record["app"] == "m-2" and [r.app for r in d.routes] == ["m-2"] and record["test"]["look"] >= 3
 
     # failed: the candidate does not start; it is deleted, the stable one keeps every route
     d.start_fails = AerieError("no room")
     ro, t = _rollout(_cfg(tmp_path), d)
     record = ro.run(APP, "v4")
     taken += t
-    assert record["decision"] == "failed" and record["reason"] == "no room" and d.deleted[-1] == "m-4"
+    assert record["decision"] == "failed" and record["reason"] == "no room" and d.deleted[-1] == "m-6"
     assert [r.app for r in d.routes] == ["m-2"]
 
     # an interrupt while starting: the candidate is deleted, the interrupt goes on (no decision)
@@ -161,7 +184,7 @@ def test_the_rollout_state_machine_takes_every_transition_with_fake_backends(tmp
     with pytest.raises(KeyboardInterrupt):
         ro.run(APP, "v5")
     taken += t
-    assert ro.phase is Phase.STARTING and d.deleted[-1] == "m-5" and "decision" not in ro.record
+    assert ro.phase is Phase.STARTING and d.deleted[-1] == "m-7" and "decision" not in ro.record
 
     # interrupted while the routes were being split: STARTING -> RETIRING (interrupted) -> DONE
     d.start_fails = None
@@ -203,19 +226,19 @@ def test_a_transition_off_the_table_is_refused(tmp_path):
         ro.to(Phase.DONE, "promoted")
 
 
-def _watch(d: FakeDeployments, tmp_path, paths, **kw):
-    ro, _ = _rollout(_cfg(tmp_path, **({"window_s": 1, "min_drafts": 5} | kw)), d)
-    d.routes = []
-    return ro, ro.watch(paths)
+def _enough(now: dict, final: bool):
+    return True if final or all(a.drafts >= 5 for a in now.values()) else None
 
 
 def test_a_counter_read_that_times_out_the_first_one_included_is_read_again(tmp_path):
-    d = FakeDeployments(fail={1, 4})
-    ro, got = _watch(d, tmp_path, {"a": "x", "b": "x"})
+    d = FakeDeployments(accept={"a": 1.0, "b": 1.0}, fail={1, 4})
+    ro, _ = _rollout(_cfg(tmp_path, window_s=1), d)
+    d.routes = []
+    got, answer = ro.watch({"a": "x", "b": "x"}, _enough)
     events = [e["event"] for e in ro.event.events]
     assert events[0] == "counters unreadable; read again at the next poll"
     assert events.count("counters unreadable; read again at the next poll") == 2 and events[-1] == "watch"
-    assert got["a"].drafts >= 5 and got["b"].acceptance_length == 3.0
+    assert answer is True and got["a"].drafts >= 5 and got["b"].acceptance_length == 4.0
 
 
 def test_counters_unreadable_for_the_longest_window_end_the_watch_with_the_reason(tmp_path):
@@ -223,7 +246,7 @@ def test_counters_unreadable_for_the_longest_window_end_the_watch_with_the_reaso
     ro, _ = _rollout(_cfg(tmp_path, window_s=1, max_window_s=5), d)
     d.routes = []
     with pytest.raises(AerieError, match=r"could not be read within max_window_s \(5 s\): TimeoutError"):
-        ro.watch({"a": "x"})
+        ro.watch({"a": "x"}, _enough)
     assert {e["event"] for e in ro.event.events} == {"counters unreadable; read again at the next poll"}
 
 

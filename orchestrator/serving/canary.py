@@ -1,0 +1,110 @@
+"""The canary's decision, as a statistical test on the drafts both backends verified over the same window.
+
+What is compared is accepted draft tokens per draft (acceptance length - 1), whose mean and variance the
+counters give exactly: the accepted path is a prefix, so `accepted_per_pos[d]` counts the drafts that accepted
+more than d tokens, and E[A^2] = sum_d (2d + 1) accepted_per_pos[d] / drafts. The candidate is
+
+    promoted       when the interval of (canary - stable) lies above -tolerance (it is no worse, with confidence);
+    rolled back    when it lies below -tolerance, or the canary accepted nothing in min_drafts drafts;
+    inconclusive   when the longest window ends first: the stable backend keeps serving.
+
+Looks are sequential with alpha spending: look k (k = 0, 1, ...) happens once the smaller side has
+min_drafts * 2^k drafts and uses level alpha / 2^(k+1), so however many looks a window takes, the chance of a
+wrong decision stays within alpha; the last look, when the window runs out, spends the next level. Drafts of one
+request are correlated (acceptance depends on the prompt), so the interval is narrower than it should be when a
+window holds few requests: min_drafts (default 50) bounds that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from statistics import NormalDist
+
+from orchestrator.spec.acceptance import Acceptance
+
+
+def accepted_moments(a: Acceptance) -> tuple[float, float]:
+    """Mean and variance of accepted draft tokens per draft. Counters without a consistent per-position split
+    (older exporters) get the largest variance their mean allows (Bhatia-Davis: A in [0, draft tokens/draft])."""
+    if not a.drafts:
+        return 0.0, 0.0
+    mean = a.accepted / a.drafts
+    if sum(a.accepted_per_pos) == a.accepted:
+        second = sum((2 * d + 1) * n for d, n in enumerate(a.accepted_per_pos)) / a.drafts
+        return mean, max(0.0, second - mean * mean)
+    most = max(a.draft_tokens / a.drafts, mean)
+    return mean, mean * (most - mean)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: str  # "promoted", "rolled back" or "inconclusive"
+    reason: str
+    difference: float  # canary - stable acceptance length
+    low: float  # its interval at this look's level
+    high: float
+    level: float  # the interval's confidence (1 - alpha spent at this look)
+    look: int
+    stable_drafts: int
+    canary_drafts: int
+
+    def to_dict(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+class CanaryTest:
+    """Sequential non-inferiority test of the canary's acceptance against the stable backend's (module docstring)."""
+
+    def __init__(self, tolerance: float, min_drafts: int, alpha: float = 0.05) -> None:
+        self.tolerance, self.min_drafts, self.alpha = tolerance, min_drafts, alpha
+        self.looks = 0
+
+    def look(self, stable: Acceptance, canary: Acceptance, final: bool = False) -> Verdict | None:
+        """The decision, if the counters so far (or, `final`, the window's end) allow one; None: watch on."""
+        n = min(stable.drafts, canary.drafts)
+        due = n >= self.min_drafts * 2**self.looks
+        if not (due or final):
+            return None
+        if canary.drafts >= self.min_drafts and canary.accepted == 0:
+            why = f"the canary accepted none of its {canary.drafts} drafts"
+            return self._verdict("rolled back", why, stable, canary, 0.0, 0.0)
+        if n < self.min_drafts:
+            why = (
+                f"too few drafts by the window's end (stable {stable.drafts}, canary {canary.drafts}; "
+                f"{self.min_drafts} each needed)"
+            )
+            return self._verdict("inconclusive", why, stable, canary, -math.inf, math.inf)
+        level = self.alpha / 2 ** (self.looks + 1)
+        self.looks += 1
+        z = NormalDist().inv_cdf(1 - level / 2)
+        (ms, vs), (mc, vc) = accepted_moments(stable), accepted_moments(canary)
+        diff = mc - ms
+        half = z * math.sqrt(vs / stable.drafts + vc / canary.drafts)
+        low, high = diff - half, diff + half
+        shown = (
+            f"canary {canary.acceptance_length:.3f} vs stable {stable.acceptance_length:.3f}: difference "
+            f"{diff:+.3f} [{low:+.3f}, {high:+.3f}] ({100 * (1 - level):.2f}% interval, {canary.drafts} and "
+            f"{stable.drafts} drafts), tolerance {self.tolerance}"
+        )
+        if low >= -self.tolerance:
+            return self._verdict("promoted", shown, stable, canary, low, high, level)
+        if high < -self.tolerance:
+            return self._verdict("rolled back", shown, stable, canary, low, high, level)
+        if final:
+            shown += ": the window ended undecided"
+            return self._verdict("inconclusive", shown, stable, canary, low, high, level)
+        return None
+
+    def _verdict(self, decision, reason, stable, canary, low, high, level: float = 0.0) -> Verdict:
+        return Verdict(
+            decision,
+            reason,
+            canary.acceptance_length - stable.acceptance_length,
+            low,
+            high,
+            1 - level if level else 0.0,
+            self.looks,
+            stable.drafts,
+            canary.drafts,
+        )
