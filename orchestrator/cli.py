@@ -304,6 +304,37 @@ def serve_app(
     return url
 
 
+def _traffic(args: argparse.Namespace) -> int:
+    """List or delete captured traffic (user content: the operator's to keep or remove)."""
+    from orchestrator.data.storage import open_storage
+    from orchestrator.data.traffic import delete_traffic, traffic_shards
+
+    storage = open_storage(args.output)
+    if args.action == "list":
+        shards = traffic_shards(storage)
+        tokens = sum(r["num_tokens"] for r in shards)
+        size = sum(r["bytes"] for r in shards)
+        print(
+            f"{len(shards)} shards, {sum(r['num_sequences'] for r in shards)} requests, {tokens} tokens, {size} bytes"
+        )
+        return 0
+    if args.older_than_hours is None and not args.all:
+        raise AerieError("traffic delete: give --older-than-hours H, or --all to delete every captured request")
+    deleted = delete_traffic(storage, None if args.all else args.older_than_hours)
+    print(f"deleted {deleted} shards from {storage.uri()}")
+    return 0
+
+
+def _key_id(args: argparse.Namespace) -> int:
+    from orchestrator.serving.guard import key_id
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise AerieError("key-id reads the API key from stdin: `aerie key-id < keyfile` (never pass it as a flag)")
+    print(key_id(key))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aerie", description="EAGLE-3 / 3.1 drafters: train, evaluate, serve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -386,6 +417,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the application's args")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("traffic", help="list or delete the traffic a server's tap captured")
+    p.add_argument("action", choices=("list", "delete"))
+    p.add_argument("--output", required=True, help="the tap's output (tap.output): a directory or s3://...")
+    p.add_argument("--older-than-hours", type=float, default=None, help="delete: shards written before then")
+    p.add_argument("--all", action="store_true", help="delete: every captured request")
+    p.set_defaults(func=_traffic)
+
+    p = sub.add_parser("key-id", help="an API key's id (for tap.no_capture_key_ids), the key read from stdin")
+    p.set_defaults(func=_key_id)
     return parser
 
 

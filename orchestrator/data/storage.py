@@ -30,6 +30,8 @@ class Storage(Protocol):
 
     def names(self) -> list[str]: ...
 
+    def delete(self, name: str) -> None: ...
+
 
 def safe_path(root: Path, name: str, key: str | None = None) -> Path:
     """`root / name` for a name read from elsewhere; an AerieError naming `key` (default: `name`) when the path
@@ -78,6 +80,10 @@ class LocalStorage:
     def names(self) -> list[str]:
         """Every file below the root, as relative names."""
         return sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file())
+
+    def delete(self, name: str) -> None:
+        """Remove `name` (nothing when it is not there)."""
+        safe_path(self.root, name).unlink(missing_ok=True)
 
 
 class S3Storage:
@@ -128,6 +134,9 @@ class S3Storage:
 
     def names(self) -> list[str]:
         return sorted(self.objects())
+
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
 
     def digest(self) -> str:
         """sha256 of the listing (names, ETags, sizes): changes whenever any object under the prefix does."""

@@ -19,6 +19,7 @@ rollouts, tests) read it from the same places (`auth_headers`).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -88,6 +89,11 @@ def ensure_local_key() -> Path | None:
 def auth_headers() -> dict[str, str]:
     """The Authorization header of the project's own clients."""
     return {"Authorization": f"Bearer {api_keys()[0]}"}
+
+
+def key_id(key: str) -> str:
+    """A key's id for configs and logs (16 hex digits of its sha256): names the key without revealing it."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def authorized(header: str | None, keys: list[str]) -> bool:

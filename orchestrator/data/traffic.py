@@ -1,0 +1,257 @@
+"""Served traffic as training data: the tap that writes what the target worker already computed for a finished
+request (token ids, the loss mask on the answer, aux and final hidden states) as shards in the collection's
+format, and the retention that bounds them.
+
+    target worker ──offer(Captured)──> bounded queue ──writer thread──> shards + records + manifest.json
+                     (never blocks:                  (never raises: a     under OUTPUT/WRITER/
+                      full = dropped, counted)         failed write is
+                                                       counted, dropped)
+
+What is captured is user content: token ids of prompts and answers. It goes only to the configured storage,
+only for requests of operators who opted in (`TapConfig.enabled`), never to logs or MLflow (the stats here are
+counts). Each shard's conversation ids are random, not request ids. Retention runs after every shard: the
+oldest shards go first until the writer's shards fit `max_bytes`, and every shard older than `max_age_hours`
+goes; `delete_traffic` deletes by age or entirely (`aerie traffic delete`).
+
+A writer (one per serving replica) keeps its own folder and manifest; `traffic_shards` lists every writer's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from orchestrator.config import StrictModel
+from orchestrator.data.shards import Sequence, ShardPlan, shard_bytes, write_shard
+from orchestrator.data.storage import Storage, open_storage
+from orchestrator.models.device import DTYPES
+from orchestrator.redaction import redact_text
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+FORMAT = "aerie-traffic/1"
+
+
+class TapConfig(StrictModel):
+    """The serve config's `tap:` section. Off by default: captured traffic is user content."""
+
+    enabled: bool = Field(False, description="capture finished requests (an operator's opt-in)")
+    output: str = Field("runs/traffic", description="local directory or s3://bucket/prefix")
+    sample: float = Field(1.0, ge=0, le=1, description="share of finished requests captured")
+    max_bytes: int = Field(2**30, ge=1, description="each writer's shards at most this many bytes (oldest go first)")
+    max_age_hours: float = Field(24 * 7, gt=0, description="shards older than this are deleted")
+    shard_tokens: int = Field(16384, ge=1, description="tokens per shard (whole requests)")
+    queue_requests: int = Field(256, ge=1, description="finished requests waiting to be written; beyond, dropped")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="the shards' precision")
+    no_capture_key_ids: list[str] = Field(
+        [], description="API keys never captured, by id (`aerie key-id`: sha256 prefix, never the key itself)"
+    )
+
+
+@dataclass
+class Captured:
+    """One finished request as the target worker saw it: positions 0..T-1 of prompt + answer (the answer's last
+    token, never forwarded, has no states and is not here)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool: answer tokens
+    aux_hidden: torch.Tensor  # [T, k * hidden]
+    final_hidden: torch.Tensor  # [T, hidden]
+
+
+@dataclass
+class TapStats:
+    offered: int = 0
+    dropped: int = 0  # the queue was full (storage slower than traffic) or the tap closed
+    written_requests: int = 0
+    written_tokens: int = 0
+    shards: int = 0
+    bytes: int = 0
+    write_errors: int = 0
+    deleted_shards: int = 0
+    lost_requests: int = 0  # in shards whose write failed
+
+
+@dataclass
+class _Pending:
+    sequences: list[Sequence] = field(default_factory=list)
+    aux: list[torch.Tensor] = field(default_factory=list)
+    final: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+
+
+class TrafficTap:
+    """One writer's tap (see the module docstring). `meta`: the target's identity for the manifest (name,
+    config_sha256, hidden_size, num_hidden_layers, vocab_size, aux_layer_ids)."""
+
+    def __init__(
+        self,
+        cfg: TapConfig,
+        meta: dict,
+        writer: str,
+        storage: Storage | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg, self.meta, self.writer, self.clock = cfg, meta, writer, clock
+        self.storage = storage if storage is not None else open_storage(cfg.output)
+        self.stats = TapStats()
+        self._queue: queue.Queue[Captured | None] = queue.Queue(maxsize=cfg.queue_requests)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.records = self._read_manifest()
+        self._thread = threading.Thread(target=self._run, name=f"traffic-tap-{writer}", daemon=True)
+        self._thread.start()
+
+    # -- the serving side: never blocks, never raises -------------------------------------------------------------
+
+    def offer(self, captured: Captured) -> bool:
+        """Queue a finished request for writing; False when it was dropped (queue full, tap closed)."""
+        self.stats.offered += 1
+        if self._closed:
+            self.stats.dropped += 1
+            return False
+        try:
+            self._queue.put_nowait(captured)
+            return True
+        except queue.Full:
+            self.stats.dropped += 1
+            return False
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is queued and pending, then stop (what does not fit in `timeout_s` is lost)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            return
+        self._thread.join(timeout_s)
+
+    # -- the writer thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pending = _Pending()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            pending.sequences.append(Sequence(uuid.uuid4().hex[:12], "served", item.input_ids, item.loss_mask))
+            pending.aux.append(item.aux_hidden)
+            pending.final.append(item.final_hidden)
+            pending.tokens += item.input_ids.numel()
+            if pending.tokens >= self.cfg.shard_tokens:
+                self._write(pending)
+                pending = _Pending()
+        if pending.sequences:
+            self._write(pending)
+
+    def _write(self, pending: _Pending) -> None:
+        """Write one shard and the manifest, then apply retention. Failures are logged and counted, never raised."""
+        now = self.clock()
+        name = f"{self.writer}/traffic-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:6]}"
+        plan = ShardPlan(f"{name}.safetensors", "train", pending.sequences)
+        try:
+            data = shard_bytes(plan, torch.cat(pending.aux), torch.cat(pending.final), DTYPES[self.cfg.dtype])
+            record = write_shard(self.storage, plan, data) | {"written_at": now, "writer": self.writer}
+            with self._lock:  # the manifest on storage is the truth: `aerie traffic delete` may have run
+                self.records = [*self._read_manifest(), record]
+            self.stats.shards += 1
+            self.stats.bytes += record["bytes"]
+            self.stats.written_requests += len(pending.sequences)
+            self.stats.written_tokens += pending.tokens
+            self.retain(now)
+        except Exception as err:  # noqa: BLE001 (a tap failure never reaches a request)
+            self.stats.write_errors += 1
+            self.stats.lost_requests += len(pending.sequences)
+            lost = len(pending.sequences)
+            why = redact_text(repr(err))
+            log.warning("traffic tap %s: a shard of %d requests was not written: %s", self.writer, lost, why)
+
+    def retain(self, now: float | None = None) -> None:
+        """Delete this writer's oldest shards beyond max_bytes and every one older than max_age_hours; rewrite
+        its manifest."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            records = sorted(self.records, key=lambda r: r["written_at"])
+            keep, total = [], 0
+            for r in reversed(records):  # newest first
+                fresh = now - r["written_at"] <= self.cfg.max_age_hours * 3600
+                if fresh and total + r["bytes"] <= self.cfg.max_bytes:
+                    keep.append(r)
+                    total += r["bytes"]
+            gone = [r for r in records if r not in keep]
+            self.records = [r for r in records if r in keep]
+        for r in gone:
+            self.storage.delete(r["name"])
+            self.storage.delete(r["name"] + ".json")
+            self.stats.deleted_shards += 1
+        self._write_manifest()
+
+    def _manifest_name(self) -> str:
+        return f"{self.writer}/{MANIFEST}"
+
+    def _read_manifest(self) -> list[dict]:
+        """The shards this writer wrote before (a restarted replica keeps its budget)."""
+        try:
+            if self.storage.exists(self._manifest_name()):
+                return list(json.loads(self.storage.read_bytes(self._manifest_name()))["shards"])
+        except Exception as err:  # noqa: BLE001 (an unreadable manifest: start a new one; retention catches up)
+            why = redact_text(repr(err))
+            log.warning("traffic tap %s: manifest unreadable (%s); starting a new one", self.writer, why)
+        return []
+
+    def _write_manifest(self) -> None:
+        with self._lock:
+            shards = list(self.records)
+        manifest = {
+            "format": FORMAT,
+            "writer": self.writer,
+            "target": self.meta,
+            "dtype": self.cfg.dtype,
+            "shards": shards,
+        }
+        self.storage.write_bytes(self._manifest_name(), json.dumps(manifest, indent=2).encode())
+
+
+def traffic_shards(storage: Storage) -> list[dict]:
+    """Every writer's shard records, oldest first."""
+    records = []
+    for name in storage.names():
+        if name.endswith(f"/{MANIFEST}"):
+            records += json.loads(storage.read_bytes(name))["shards"]
+    return sorted(records, key=lambda r: r["written_at"])
+
+
+def delete_traffic(storage: Storage, older_than_hours: float | None = None, now: float | None = None) -> int:
+    """Delete captured traffic: every shard written more than `older_than_hours` ago, or (None) all of it,
+    manifests included. Returns the shards deleted."""
+    now = time.time() if now is None else now
+    deleted = 0
+    for name in storage.names():
+        if not name.endswith(f"/{MANIFEST}"):
+            continue
+        manifest = json.loads(storage.read_bytes(name))
+        keep = []
+        for r in manifest["shards"]:
+            if older_than_hours is None or now - r["written_at"] > older_than_hours * 3600:
+                storage.delete(r["name"])
+                storage.delete(r["name"] + ".json")
+                deleted += 1
+            else:
+                keep.append(r)
+        if older_than_hours is None:
+            storage.delete(name)
+        else:
+            storage.write_bytes(name, json.dumps({**manifest, "shards": keep}, indent=2).encode())
+    return deleted

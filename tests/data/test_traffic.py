@@ -1,0 +1,180 @@
+"""The traffic tap without a server: what it writes is what it was given, in the collection's shard format; it
+never blocks or raises where the serving side calls it (a full queue drops and counts, a failing storage
+counts and loses only that shard); retention keeps each writer within its byte budget and maximum age, across
+restarts and beside `delete_traffic`."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from orchestrator.data.shards import read_shard
+from orchestrator.data.storage import LocalStorage
+from orchestrator.data.traffic import Captured, TapConfig, TrafficTap, delete_traffic, traffic_shards
+
+META = {"name": "tiny", "hidden_size": 4, "aux_layer_ids": [0, 1, 2]}
+
+
+def _captured(i: int, n: int = 6) -> Captured:
+    g = torch.Generator().manual_seed(i)
+    mask = torch.arange(n) >= n // 2  # the answer: the second half
+    ids, aux, final = torch.randint(0, 100, (n,), generator=g), torch.randn(n, 12, generator=g), torch.randn(n, 4)
+    return Captured(ids, mask, aux, final)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _written(tap: TrafficTap, shards: int) -> None:
+    """Wait until the writer thread has written `shards` shards in all (synchronisation, not timing)."""
+    for _ in range(3000):
+        if tap.stats.shards + tap.stats.write_errors >= shards:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"the tap wrote {tap.stats.shards} shards, not {shards}")
+
+
+def _tap(tmp_path, storage=None, clock=None, **kw) -> TrafficTap:
+    cfg = TapConfig(enabled=True, output=str(tmp_path / "traffic"), **({"shard_tokens": 12, "dtype": "float32"} | kw))
+    return TrafficTap(cfg, META, "replica-a", storage=storage, clock=clock or Clock())
+
+
+def test_shards_hold_exactly_what_was_offered_in_the_collection_format(tmp_path):
+    tap = _tap(tmp_path)
+    offered = [_captured(i) for i in range(5)]
+    assert all(tap.offer(c) for c in offered)
+    tap.close()
+    storage = LocalStorage(tmp_path / "traffic")
+    records = traffic_shards(storage)
+    assert [r["num_sequences"] for r in records] == [2, 2, 1]  # 12 tokens a shard; the rest written on close
+    assert tap.stats.written_requests == 5 and tap.stats.written_tokens == 30 and tap.stats.dropped == 0
+    got = [read_shard(storage.read_bytes(r["name"])) for r in records]
+    ids = torch.cat([g["input_ids"] for g in got]).long()
+    assert torch.equal(ids, torch.cat([c.input_ids for c in offered]))
+    assert torch.equal(torch.cat([g["loss_mask"] for g in got]), torch.cat([c.loss_mask for c in offered]))
+    assert torch.equal(torch.cat([g["aux_hidden"] for g in got]), torch.cat([c.aux_hidden for c in offered]))
+    assert torch.equal(torch.cat([g["final_hidden"] for g in got]), torch.cat([c.final_hidden for c in offered]))
+    assert all(r["sha256"] and r["writer"] == "replica-a" for r in records)
+
+
+class BlockingStorage(LocalStorage):
+    """Writes wait until released (a slow store); `entered` is set once the writer is inside one."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def write_bytes(self, name, data) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+        super().write_bytes(name, data)
+
+
+def test_a_slow_storage_never_blocks_an_offer_a_full_queue_drops_and_counts(tmp_path):
+    storage = BlockingStorage(tmp_path / "traffic")
+    tap = _tap(tmp_path, storage, shard_tokens=1, queue_requests=4)
+    assert tap.offer(_captured(0))
+    assert storage.entered.wait(30)  # the writer is stuck in its first write
+    results = [tap.offer(_captured(i)) for i in range(1, 10)]  # returns at once: 4 queued, 5 dropped
+    assert results == [True] * 4 + [False] * 5 and tap.stats.dropped == 5
+    storage.release.set()
+    tap.close()
+    assert tap.stats.written_requests == 5 and tap.stats.write_errors == 0
+
+
+class FlakyStorage(LocalStorage):
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.failing = True
+
+    def write_bytes(self, name, data) -> None:
+        if self.failing and name.endswith(".safetensors"):
+            raise OSError("disk full")
+        super().write_bytes(name, data)
+
+
+def test_a_failing_storage_loses_only_its_shard_and_raises_nothing(tmp_path):
+    storage = FlakyStorage(tmp_path / "traffic")
+    tap = _tap(tmp_path, storage)
+    for i in range(2):
+        assert tap.offer(_captured(i))
+    tap.close()
+    assert tap.stats.write_errors == 1 and tap.stats.lost_requests == 2 and tap.stats.shards == 0
+    storage.failing = False
+    tap = _tap(tmp_path, storage)  # a new replica writes again
+    tap.offer(_captured(3))
+    tap.close()
+    assert [r["num_sequences"] for r in traffic_shards(storage)] == [1]
+
+
+def test_retention_keeps_the_byte_budget_and_the_maximum_age_across_restarts(tmp_path):
+    clock = Clock()
+    storage = LocalStorage(tmp_path / "traffic")
+    probe = TrafficTap(TapConfig(shard_tokens=6, dtype="float32"), META, "probe", storage=storage, clock=clock)
+    probe.offer(_captured(0))
+    probe.close()
+    size = traffic_shards(storage)[0]["bytes"]  # every shard of one 6-token request has this size
+    delete_traffic(storage)
+    for restart in range(3):  # a restarted replica knows its shards: the budget holds over all of them
+        tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6, max_bytes=3 * size, max_age_hours=1)
+        for i in range(4):
+            clock.t += 60
+            tap.offer(_captured(10 * restart + i))
+            _written(tap, i + 1)
+        tap.close()
+        records = traffic_shards(storage)
+        assert sum(r["bytes"] for r in records) <= 3 * size and len(records) == 3
+        assert records[-1]["written_at"] == clock.t  # the newest stays
+    files = [n for n in storage.names() if n.endswith(".safetensors")]
+    assert len(files) == 3  # deleted from storage, not only from the manifest
+    clock.t += 2 * 3600  # everything is older than max_age_hours: the next write deletes it
+    tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6, max_bytes=3 * size, max_age_hours=1)
+    tap.offer(_captured(99))
+    tap.close()
+    assert [r["written_at"] for r in traffic_shards(storage)] == [clock.t]
+
+
+def test_delete_traffic_by_age_or_all_and_a_live_tap_does_not_bring_deleted_shards_back(tmp_path):
+    clock = Clock()
+    storage = LocalStorage(tmp_path / "traffic")
+    tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6)
+    for i in range(3):
+        clock.t += 3600
+        tap.offer(_captured(i))
+        _written(tap, i + 1)
+    assert delete_traffic(storage, older_than_hours=0.5, now=clock.t) == 2  # written 2 h and 1 h ago
+    assert len(traffic_shards(storage)) == 1
+    tap.offer(_captured(7))  # the tap's next shard: the manifest does not list the deleted ones again
+    tap.close()
+    assert len(traffic_shards(storage)) == 2
+    assert delete_traffic(storage) == 2
+    assert storage.names() == []
+
+
+def test_the_cli_lists_and_deletes_captured_traffic_and_names_keys_without_showing_them(tmp_path, capsys, monkeypatch):
+    import io
+
+    from orchestrator.cli import main
+    from orchestrator.serving.guard import key_id
+
+    tap = _tap(tmp_path, shard_tokens=6)
+    for i in range(2):
+        tap.offer(_captured(i))
+    tap.close()
+    out = str(tmp_path / "traffic")
+    assert main(["traffic", "list", "--output", out]) == 0
+    assert capsys.readouterr().out.startswith("2 shards, 2 requests, 12 tokens")
+    assert main(["traffic", "delete", "--output", out]) == 2  # neither an age nor --all: refused
+    assert "--older-than-hours H, or --all" in capsys.readouterr().err
+    assert main(["traffic", "delete", "--output", out, "--all"]) == 0
+    assert capsys.readouterr().out.startswith("deleted 2 shards") and LocalStorage(out).names() == []
+    monkeypatch.setattr("sys.stdin", io.StringIO("a-secret-key-of-32-characters-xx\n"))
+    assert main(["key-id"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == key_id("a-secret-key-of-32-characters-xx") and "secret" not in printed and len(printed) == 16
