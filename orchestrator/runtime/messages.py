@@ -98,6 +98,7 @@ class NewSequence(Message):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    capture: bool = False  # the traffic tap may keep it (the server decided: tap on, the client did not opt out)
 
 
 @dataclass

@@ -91,6 +91,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
+    capture: bool = False  # the traffic tap may keep it
 
 
 class Sync(enum.Enum):
@@ -191,8 +192,10 @@ class SpecScheduler:
         """The loops are alive (a dead loop would leave its requests hanging)."""
         return bool(self._loops) and not any(t.done() for t in self._loops)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, capture: bool = False) -> Request:
+        """Queue a request; `capture`: the target worker's traffic tap may keep it (the server checked consent)."""
         r = Request(f"r{next(self._ids)}", list(prompt_ids), params, self.clock() + self.cfg.request_timeout_s)
+        r.capture = capture
         self.requests[r.id] = r
         self.waiting.append(r)
         self._changed.set()
@@ -264,7 +267,7 @@ class SpecScheduler:
             r.group = g
             group.requests[r.id] = r
         self._gauges()
-        sequences = [NewSequence(r.id, r.prompt_ids, r.params) for r in new]
+        sequences = [NewSequence(r.id, r.prompt_ids, r.params, r.capture) for r in new]
         try:
             out, pairs = await self.target.call("prefill", sequences, returns=2)
         except (WorkerLost, WorkerFailed) as err:

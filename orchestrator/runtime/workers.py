@@ -18,8 +18,11 @@ the other requests of the call go on. Everything a request allocates is checked 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import random
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.data.traffic import Captured, TapConfig, TrafficTap
 from orchestrator.errors import AerieError
 from orchestrator.models.target import TargetModel
 from orchestrator.runtime.messages import (
@@ -59,9 +63,11 @@ class _Seq:
     slot: int
     params: SamplingParams
     generator: torch.Generator | None
+    prompt_ids: list[int] = field(default_factory=list)
     length: int = 0  # tokens emitted
     root: int = -1  # last emitted token (not yet in the cache)
     history: list[Pair] = field(default_factory=list)  # committed pairs, one per call that emitted tokens
+    final: list[torch.Tensor] | None = None  # kept for the traffic tap: [m, hidden] per pair, else None
 
 
 def _identity() -> dict:
@@ -85,10 +91,12 @@ class TargetWorker:
         device: str = "auto",
         dtype: str = "auto",
         max_model_len: int | None = None,
+        tap: TapConfig | None = None,
     ) -> None:
         """model: a loaded TargetModel (in-process) or its directory (a Ray actor loads it on its node, onto
         `device` in `dtype`: auto = its GPU in bfloat16 when it has one). max_model_len: tokens per request
-        (prompt + output) the KV caches are sized for (default: the model's context)."""
+        (prompt + output) the KV caches are sized for (default: the model's context). tap: the traffic tap's
+        config (enabled): a sampled share of the finished requests it is allowed to capture is written there."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         if isinstance(model, str | Path):
@@ -102,12 +110,25 @@ class TargetWorker:
         self.eos_ids = frozenset(eos_token_ids)
         self.verifier = verifier or Verifier()
         self.seqs: dict[str, _Seq] = {}
+        self.tap = self._start_tap(tap) if tap is not None and tap.enabled else None
+        self._sampler = random.Random(0)
+
+    def _start_tap(self, cfg: TapConfig) -> TrafficTap:
+        model = self.model
+        meta = {
+            "name": getattr(model, "name", "target"),
+            "hidden_size": model.hidden_size,
+            "vocab_size": model.vocab_size,
+            "aux_layer_ids": list(model.aux_layer_ids),
+        }
+        return TrafficTap(cfg, meta, writer=f"{socket.gethostname()}-{os.getpid()}")
 
     def ready(self) -> dict:
         return _identity() | {
             "free_slots": self.cache.free_slots,
             "max_batch": self.max_batch,
             "context": self.context,
+            **({"tap": dataclasses.asdict(self.tap.stats)} if self.tap is not None else {}),
         }
 
     def _check(self, s: NewSequence) -> str | None:
@@ -139,7 +160,10 @@ class TargetWorker:
             elif not self.cache.free_slots:
                 updates.append(SeqUpdate(s.request_id, error="no free KV slot on the target", status=503, retry=True))
             else:
-                self.seqs[s.request_id] = _Seq(self.cache.allocate(), s.params, generator)
+                q = _Seq(self.cache.allocate(), s.params, generator, list(s.prompt_ids))
+                if s.capture and self.tap is not None and self._sampler.random() < self.tap.cfg.sample:
+                    q.final = []
+                self.seqs[s.request_id] = q
                 admitted.append(s)
         parts, tokens = {}, sum(len(s.prompt_ids) for s in admitted)
         if admitted:
@@ -157,12 +181,14 @@ class TargetWorker:
                 raise
             offset = 0
             for row, (s, q) in enumerate(zip(admitted, seqs, strict=True)):
-                aux = out.aux_hidden[offset : offset + len(s.prompt_ids)]  # [n, k * hidden]
+                rows = slice(offset, offset + len(s.prompt_ids))
+                aux = out.aux_hidden[rows]  # [n, k * hidden]
                 offset += len(s.prompt_ids)
                 try:
                     token = self.verifier.verify(DraftTree.empty(), out.logits[row : row + 1], q.params, q.generator, 0)
                     pair = Pair(torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.to("cpu", copy=True))
-                    updates.append(self._emit(s.request_id, q, [token.next_token], pair, parts))
+                    final = out.final_hidden[rows].to("cpu", copy=True) if q.final is not None else None  # [n, H]
+                    updates.append(self._emit(s.request_id, q, [token.next_token], pair, parts, final))
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
                     updates.append(self._fail(s.request_id, err))
         return self._output(updates, tokens, began, stamp, parts)
@@ -203,7 +229,10 @@ class TargetWorker:
                     emitted = [int(tree.tokens[i]) for i in verdict.accepted] + [verdict.next_token]  # a + 1 tokens
                     aux = out.aux_hidden[rows][kept.to(out.aux_hidden.device)]  # [a + 1, k * hidden]
                     pair = Pair(torch.tensor(emitted), aux.to("cpu", copy=True))  # what the draft side is sent
-                    update = self._emit(rid, q, emitted, pair, parts)
+                    final = None
+                    if q.final is not None:  # [a + 1, hidden] for the tap
+                        final = out.final_hidden[rows][kept.to(out.final_hidden.device)].to("cpu", copy=True)
+                    update = self._emit(rid, q, emitted, pair, parts, final)
                     update.drafted, update.accepted = tree.size, len(verdict.accepted)
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
                     compact.pop(q.slot, None)
@@ -230,8 +259,11 @@ class TargetWorker:
         room = self.context - int(self.cache.lengths[q.slot]) - 1
         return tree if tree.size <= room else tree.subtree(list(range(max(0, room))))  # prefixes stay closed
 
-    def _emit(self, rid: str, q: _Seq, tokens: list[int], pair: Pair, parts: dict[str, Pair]) -> SeqUpdate:
-        """Append tokens up to EOS / max_tokens; a finished request frees its slot."""
+    def _emit(
+        self, rid: str, q: _Seq, tokens: list[int], pair: Pair, parts: dict[str, Pair], final: torch.Tensor | None
+    ) -> SeqUpdate:
+        """Append tokens up to EOS / max_tokens; a finished request frees its slot (and, kept for the tap, is
+        offered to it). final: [rows of pair, hidden] when the request is kept for the tap."""
         out, reason = [], None
         for token in tokens:
             out.append(token)
@@ -243,9 +275,30 @@ class TargetWorker:
         if reason is None:
             q.history.append(pair)
             parts[rid] = pair
+            if q.final is not None:
+                q.final.append(final)
         else:
+            if q.final is not None:
+                self._offer(q, pair, final, len(out))
             self.release([rid])
         return SeqUpdate(rid, out, reason)
+
+    def _offer(self, q: _Seq, last: Pair, final: torch.Tensor, emitted: int) -> None:
+        """A finished request to the tap: positions 0..T-1 of prompt + answer, T = prompt + answer - 1 (the
+        last token was never forwarded); of this call's rows only the first `emitted` (the answer was cut at
+        EOS / max_tokens). Never raises: a tap problem is not the request's."""
+        try:
+            pairs = [*q.history, Pair(last.tokens[:emitted], last.aux[:emitted])]
+            finals = [*q.final, final[:emitted]]
+            answer = torch.cat([p.tokens for p in pairs])[len(q.prompt_ids) - 1 :]  # [E] every emitted token
+            if answer.numel() < 2:
+                return  # nothing to learn from: no answer token is an input
+            ids = torch.cat([torch.tensor(q.prompt_ids), answer[:-1]])  # [T]
+            mask = torch.arange(ids.numel()) >= len(q.prompt_ids)  # [T] the answer's tokens
+            aux, fin = torch.cat([p.aux for p in pairs]), torch.cat(finals)  # [T, k * hidden], [T, hidden]
+            self.tap.offer(Captured(ids, mask, aux, fin))
+        except Exception:  # noqa: BLE001
+            log.exception("the traffic tap could not take a finished request")
 
     def _fail(self, rid: str, err: Exception) -> SeqUpdate:
         log.exception("request %s failed in the target worker", rid, exc_info=err)

@@ -35,17 +35,19 @@ from ray import serve
 
 from orchestrator.cluster import WorkerResources
 from orchestrator.data.prompts import render_chat
+from orchestrator.data.traffic import TapConfig
 from orchestrator.errors import AerieError
 from orchestrator.models.device import DtypeName
 from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.backends import ServedModel, import_object
-from orchestrator.serving.guard import Guard, api_keys
+from orchestrator.serving.guard import Guard, api_keys, key_id
 from orchestrator.serving.protocol import Chunker, Limits, RequestError, check_request, error_body, sse, usage
 from orchestrator.spec.proposer import SpecConfig
 from orchestrator.tracking.store import DrafterRef
 
 log = logging.getLogger(__name__)
+CAPTURE_HEADER = "x-aerie-capture"  # "off": the traffic tap never keeps this request
 
 
 class SpecServeConfig(ServedModel):
@@ -65,6 +67,9 @@ class SpecServeConfig(ServedModel):
     num_replicas: int = Field(1, ge=1, description="data-parallel replicas, each with its own workers")
     limits: Limits = Field(default_factory=Limits, description="what one request may ask; the queue's bound")
     default_max_tokens: int = Field(512, ge=1, description="when a request sets none")
+    tap: TapConfig = Field(
+        default_factory=TapConfig, description="capture served traffic for training (off by default: user content)"
+    )
     proposer_factory: str | None = Field(None, description="'module:callable' building a Proposer (tests)")
     proposer_args: dict = Field({}, description="keyword arguments of proposer_factory")
     drafter_cache_dir: str = Field(
@@ -122,6 +127,7 @@ class _Workers:
                 device=cfg.target.torch_device(),
                 dtype=cfg.dtype,
                 max_model_len=cfg.max_model_len,
+                tap=cfg.tap if cfg.tap.enabled else None,
             )
         )
         self.draft = None
@@ -148,6 +154,17 @@ class _Workers:
             )
         handles = {"target": self.target, "draft": self.draft}
         self.info = {role: _ready(role, h) for role, h in handles.items() if h is not None}
+
+
+def may_capture(tap: TapConfig, headers) -> bool:
+    """Whether the traffic tap may keep a request with these (lower-case) headers: the tap is on, the client did
+    not opt out (`X-Aerie-Capture: off`), and its key is not one configured as never captured."""
+    if not tap.enabled:
+        return False
+    if headers.get(CAPTURE_HEADER, "").strip().lower() in ("off", "0", "false", "no"):
+        return False
+    _, _, key = headers.get("authorization", "").partition(" ")
+    return key_id(key.strip()) not in tap.no_capture_key_ids
 
 
 def _ready(role: str, handle) -> dict:
@@ -204,6 +221,7 @@ class SpecServer:
             in_flight = cfg.scheduler.max_batch + cfg.limits.max_queued
             api.add_middleware(Guard, max_body_bytes=cfg.limits.max_body_bytes, max_in_flight=in_flight)
         self.limits = cfg.limits
+        self.tap = cfg.tap
         # Prompts are tokenized off the event loop (a long one would stall every stream of the replica), in one
         # thread: a tokenizer is not safe to share between threads.
         self.tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -302,7 +320,7 @@ class SpecServer:
         except RequestError as err:
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         self._start()
-        handle = self.scheduler.submit(prompt_ids, params)
+        handle = self.scheduler.submit(prompt_ids, params, capture=may_capture(self.tap, request.headers))
         text = TextStream(self.tokenizer, params.stop)
         chunker = Chunker(chat, self.name)
         if req.stream:

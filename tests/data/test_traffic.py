@@ -178,3 +178,17 @@ def test_the_cli_lists_and_deletes_captured_traffic_and_names_keys_without_showi
     assert main(["key-id"]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == key_id("a-secret-key-of-32-characters-xx") and "secret" not in printed and len(printed) == 16
+
+
+def test_a_request_is_kept_only_with_the_tap_on_no_opt_out_and_a_key_not_excluded():
+    from orchestrator.serving.app import may_capture
+    from orchestrator.serving.guard import key_id
+
+    on = TapConfig(enabled=True, no_capture_key_ids=[key_id("excluded-key-0123456789")])
+    auth = {"authorization": "Bearer allowed-key-0123456789"}
+    assert may_capture(on, auth)
+    assert not may_capture(TapConfig(), auth)  # off by default
+    for value in ("off", "OFF", "0", "false", "no"):
+        assert not may_capture(on, auth | {"x-aerie-capture": value})
+    assert may_capture(on, auth | {"x-aerie-capture": "on"})
+    assert not may_capture(on, {"authorization": "Bearer excluded-key-0123456789"})

@@ -60,7 +60,7 @@ class TableModel:
 
     def __call__(self, token_ids, cache, slots, num_tokens, positions=None, block_mask=None, logits="all"):
         cache.reserve(slots, num_tokens)
-        rows, offset = [], 0
+        rows, states, offset = [], [], 0
         for b, (slot, n) in enumerate(zip(slots.tolist(), num_tokens.tolist(), strict=True)):
             start = int(cache.lengths[slot])
             tokens = token_ids[offset : offset + n].tolist()
@@ -71,12 +71,14 @@ class TableModel:
                 prev = tokens[parent] if parent >= 0 else int(cache.keys[0][slot, 0, start - 1, 0]) if start else -1
                 position = int(positions[offset + i]) if positions is not None else start + i
                 rows.append(table_logits(prev, tokens[i], position))
+                states.append([float(tokens[i]), float(position), float(prev)])
             offset += n
         cache.advance(slots, num_tokens)
         out = torch.stack(rows)
         if logits == "last":
             out = out[torch.cumsum(num_tokens, 0) - 1]
-        return SimpleNamespace(logits=out, aux_hidden=torch.zeros(len(rows), 2))
+        states = torch.tensor(states)  # [N, 3]: what a row saw, so a captured row can be checked exactly
+        return SimpleNamespace(logits=out, aux_hidden=states[:, :2], final_hidden=states[:, 1:])
 
 
 def reference(prompt: list[int], params: SamplingParams, eos: frozenset[int] = frozenset()) -> list[int]:

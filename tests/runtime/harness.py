@@ -38,6 +38,7 @@ def build(
     tick_s: float = 0.0,
     depth: int = 3,
     width: int = 2,
+    tap=None,
 ) -> Harness:
     clock = FakeClock()
 
@@ -45,7 +46,7 @@ def build(
         clock.now += tick_s * (rng.random() if rng else 1.0)
 
     model = TableModel(context)
-    target = FaultyWorker(lambda: TargetWorker(model, eos, max_batch), target_plan, rng, tick)
+    target = FaultyWorker(lambda: TargetWorker(model, eos, max_batch, tap=tap), target_plan, rng, tick)
     draft = None
     if speculation:
         seed = rng.randrange(1 << 30) if rng else 0

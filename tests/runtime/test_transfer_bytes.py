@@ -26,7 +26,7 @@ def test_payload_bytes_table():
         2 + 8 + 16 + 2 * 1728 * 2
     )
     params = SamplingParams(max_tokens=5, stop=("ab",))  # 4 numbers, seed None, one stop string, one bool
-    assert NewSequence("r1", [1, 2, 3], params).nbytes == 2 + 3 * 8 + (4 * 8 + 0 + 2 + 1)
+    assert NewSequence("r1", [1, 2, 3], params).nbytes == 2 + 3 * 8 + (4 * 8 + 0 + 2 + 1) + 1  # + capture
     assert SeqUpdate("é", [7]).nbytes == 2 + 8 + 0 + 8 + 8 + 0 + 8 + 1  # "é" is 2 bytes of UTF-8
     tree = DraftTree(torch.tensor([5, 6]), torch.tensor([-1, 0]), {-1: torch.zeros(96)}, torch.zeros(2))
     assert payload_nbytes({"r1": tree}) == 2 + (16 + 16 + (8 + 96 * 4) + 8)
