@@ -38,6 +38,11 @@ class BenchmarkServingConfig(StrictModel):
         None, description="also the vLLM backend (its Serve config): same prompts, same drafter, same run"
     )
     vllm_overrides: list[str] = Field([], description="dotted key=value overrides of the vLLM app's args")
+    arms: dict[str, list[str]] = Field(
+        {},
+        description="more deployments of `app`, each with these extra overrides, in the same interleaved run (e.g. "
+        "{tap: [tap.enabled=true]}); arm_ratios: each arm's per-user tokens/s over the app's, paired, per mode",
+    )
     modes: list[Literal["spec", "no-spec"]] = Field(["spec", "no-spec"], min_length=1)
     concurrency: list[int] = Field([1, 4, 16], min_length=1, description="users sending requests at once")
     requests_per_user: int = Field(2, ge=1, description="requests = concurrency x this (at least min_requests)")
@@ -351,6 +356,8 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     if cfg.vllm_app:  # the same drafter as the disaggregated app unless overridden
         same = [f"drafter={args['drafter']}"] if args.get("drafter") else []
         backends.append(("vllm-", read_serve_config(cfg.vllm_app, same + list(cfg.vllm_overrides))[1]))
+    for name, overrides in cfg.arms.items():
+        backends.append((f"{name}-", read_serve_config(cfg.app, [*cfg.app_overrides, *overrides])[1]))
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     if (written := keys_for_servers(private_ray=starts_private_ray(cfg.address))) is not None:
         log.info("wrote a new API key to %s (the benchmark's servers and clients use it)", written)
@@ -389,6 +396,11 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         if spec and plain:
             key = f"{label.replace('-', '_')}speedup"
             result[key] = {c: paired_speedup(spec[c], plain[c]) for c in cfg.concurrency}
+    for name in cfg.arms:  # the arm against the app as configured, mode by mode (tap on / off, ...)
+        ratios = result.setdefault("arm_ratios", {}).setdefault(name, {})
+        for mode in cfg.modes:
+            arm, base = result["modes"][f"{name}-{mode}"], result["modes"][mode]
+            ratios[mode] = {c: paired_speedup(arm[c], base[c]) for c in cfg.concurrency}
     if cfg.in_process and "spec" in cfg.modes and args.get("drafter"):
         from orchestrator.data.prompts import render_chat
         from orchestrator.models.prepare import resolve_model
