@@ -58,7 +58,7 @@ from orchestrator.data.templates import render_conversation
 from orchestrator.errors import AerieError
 from orchestrator.fingerprint import fingerprint
 from orchestrator.models.device import DTYPES, DtypeName, dtype_name
-from orchestrator.models.target import check_target_supported, default_aux_layer_ids, read_hf_config
+from orchestrator.models.target import check_target_supported, config_sha256, default_aux_layer_ids, read_hf_config
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -364,10 +364,6 @@ def render_all(cfg: CollectConfig, conversations: list[Conversation], tokenizer)
             if r.loss_mask.any():  # truncation can cut every assistant token away
                 out[split].append(Sequence(conv.id, variant.name, r.input_ids, r.loss_mask))
     return out
-
-
-def config_sha256(model_dir: Path) -> str:
-    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
 
 
 def _capture_worker_class():

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -33,7 +35,8 @@ from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.data.shards import Sequence, ShardPlan, shard_bytes, write_shard
-from orchestrator.data.storage import Storage, open_storage
+from orchestrator.data.storage import LocalStorage, Storage, open_storage, safe_path
+from orchestrator.errors import AerieError
 from orchestrator.models.device import DTYPES
 from orchestrator.redaction import redact_text
 
@@ -255,3 +258,93 @@ def delete_traffic(storage: Storage, older_than_hours: float | None = None, now:
         else:
             storage.write_bytes(name, json.dumps({**manifest, "shards": keep}, indent=2).encode())
     return deleted
+
+
+def adaptation_data(
+    traffic: Storage,
+    dest: str | Path,
+    since: float | None = None,
+    holdout_fraction: float = 0.2,
+    replay: str | None = None,
+    replay_share: float = 0.0,
+) -> dict:
+    """A collection at `dest` (a local directory) to fine-tune a drafter on served traffic: every traffic shard
+    written after `since`, the newest `holdout_fraction` of them (at least one) as the validation split, never
+    trained on; plus, against forgetting, shards of `replay` (a collection: the drafter's own corpus) holding
+    about `replay_share` x the traffic's training tokens. Shards are linked where the source is local, else
+    copied; manifest.json is the collection's format, with the traffic's cutoff and shards in `datasets`.
+    Returns the manifest."""
+    dest = Path(dest)
+    records = [r for r in traffic_shards(traffic) if since is None or r["written_at"] > since]
+    if len(records) < 2:
+        raise AerieError(
+            f"{traffic.uri()} holds {len(records)} traffic shard(s) written after the last adaptation: at least 2 "
+            "are needed (one to train on, one held out); let the tap capture more"
+        )
+    targets = {json.dumps(m["target"], sort_keys=True) for m in _manifests(traffic)}
+    if len(targets) != 1:
+        raise AerieError(f"{traffic.uri()} holds traffic of {len(targets)} different targets: adapt one at a time")
+    meta = json.loads(targets.pop())
+    held = max(1, round(holdout_fraction * len(records)))
+    shards = [_link(traffic, r, dest, "traffic", "train") for r in records[:-held]]
+    shards += [_link(traffic, r, dest, "traffic", "validation") for r in records[-held:]]
+    replayed: list[str] = []
+    if replay is not None and replay_share > 0:
+        source = open_storage(replay)
+        corpus = json.loads(source.read_bytes(MANIFEST))
+        if corpus.get("aux_layer_ids") != meta["aux_layer_ids"]:
+            raise AerieError(
+                f"replay collection {replay} has aux layers {corpus.get('aux_layer_ids')}, the traffic "
+                f"{meta['aux_layer_ids']}: replay a collection of the same target and drafter"
+            )
+        budget = replay_share * sum(r["num_tokens"] for r in records[:-held])
+        for r in (r for r in corpus["shards"] if r["split"] == "train"):
+            if sum(s["num_tokens"] for s in shards if s["name"].startswith("replay/")) >= budget:
+                break
+            shards.append(_link(source, r, dest, "replay", "train"))
+            replayed.append(r["name"])
+    splits: dict[str, dict] = {}
+    for r in shards:
+        s = splits.setdefault(r["split"], {"num_shards": 0, "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0})
+        s["num_shards"] += 1
+        for key in ("num_sequences", "num_tokens", "num_loss_tokens"):
+            s[key] += r[key]
+    manifest = {
+        "format": "aerie-hidden-states/1",
+        "target": {k: v for k, v in meta.items() if k != "aux_layer_ids"},
+        "aux_layer_ids": meta["aux_layer_ids"],
+        "datasets": {
+            "traffic": {
+                "source": traffic.uri(),
+                "since": since,
+                "until": records[-1]["written_at"],
+                "held_out": [r["name"] for r in records[-held:]],
+                "shards_sha256": {r["name"]: r["sha256"] for r in records},
+            },
+            "replay": {"source": replay, "share": replay_share, "shards": replayed},
+        },
+        "splits": splits,
+        "shards": shards,
+    }
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _manifests(storage: Storage) -> list[dict]:
+    return [json.loads(storage.read_bytes(n)) for n in storage.names() if n.endswith(f"/{MANIFEST}")]
+
+
+def _link(source: Storage, record: dict, dest: Path, folder: str, split: str) -> dict:
+    """The shard of `record` at dest/folder/name (a hard link to a local source on the same file system, else a
+    copy: storage refuses symlinks that lead out of a collection); its record there."""
+    target = dest / folder / record["name"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    try:
+        if not isinstance(source, LocalStorage):
+            raise OSError("not local")
+        os.link(safe_path(source.root, record["name"]), target)
+    except OSError:
+        target.write_bytes(source.read_bytes(record["name"]))
+    keys = ("num_tokens", "num_sequences", "num_loss_tokens", "bytes", "sha256")
+    return {"name": f"{folder}/{record['name']}", "split": split, **{k: record[k] for k in keys}}

@@ -8,6 +8,7 @@ final-norm hidden state. Aux layer id k is transformers' `hidden_states[k]`: the
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -89,6 +90,11 @@ class TargetOutput:
     logits: torch.Tensor | None  # [N, vocab] ("all"), [B, vocab] ("last"), or None
     aux_hidden: torch.Tensor  # [N, k * hidden]: hidden_states[id] for each aux id, concatenated
     final_hidden: torch.Tensor  # [N, hidden]: after the final RMSNorm (what lm_head reads)
+
+
+def config_sha256(model_dir: str | Path) -> str:
+    """sha256 of a model directory's config.json: which target a collection, a drafter or a tap was made with."""
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
 
 
 def read_hf_config(model_dir: str | Path) -> dict:

@@ -32,7 +32,7 @@ import torch
 
 from orchestrator.data.traffic import Captured, TapConfig, TrafficTap
 from orchestrator.errors import AerieError
-from orchestrator.models.target import TargetModel
+from orchestrator.models.target import TargetModel, config_sha256
 from orchestrator.runtime.messages import (
     DraftOutput,
     NewSequence,
@@ -99,6 +99,7 @@ class TargetWorker:
         config (enabled): a sampled share of the finished requests it is allowed to capture is written there."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        model_dir = Path(model) if isinstance(model, str | Path) else None
         if isinstance(model, str | Path):
             aux = tuple(aux_layer_ids) if aux_layer_ids else None
             model = TargetModel.from_pretrained(model, aux_layer_ids=aux, dtype=dtype, device=device)
@@ -110,14 +111,17 @@ class TargetWorker:
         self.eos_ids = frozenset(eos_token_ids)
         self.verifier = verifier or Verifier()
         self.seqs: dict[str, _Seq] = {}
-        self.tap = self._start_tap(tap) if tap is not None and tap.enabled else None
+        self.tap = self._start_tap(tap, model_dir) if tap is not None and tap.enabled else None
         self._sampler = random.Random(0)
 
-    def _start_tap(self, cfg: TapConfig) -> TrafficTap:
+    def _start_tap(self, cfg: TapConfig, model_dir: Path | None) -> TrafficTap:
+        """The tap, its manifest naming the target as a collection's does (training checks it against its own)."""
         model = self.model
         meta = {
-            "name": getattr(model, "name", "target"),
+            "name": model_dir.name if model_dir is not None else "target",
+            "config_sha256": config_sha256(model_dir) if model_dir is not None else None,
             "hidden_size": model.hidden_size,
+            "num_hidden_layers": getattr(model, "num_layers", None),
             "vocab_size": model.vocab_size,
             "aux_layer_ids": list(model.aux_layer_ids),
         }

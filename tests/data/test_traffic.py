@@ -192,3 +192,47 @@ def test_a_request_is_kept_only_with_the_tap_on_no_opt_out_and_a_key_not_exclude
         assert not may_capture(on, auth | {"x-aerie-capture": value})
     assert may_capture(on, auth | {"x-aerie-capture": "on"})
     assert not may_capture(on, {"authorization": "Bearer excluded-key-0123456789"})
+
+
+def test_adaptation_data_holds_out_the_newest_traffic_and_replays_the_corpus(tmp_path):
+    import json
+
+    import pytest
+
+    from orchestrator.data.reader import ShardReader
+    from orchestrator.data.shards import Sequence, ShardPlan, shard_bytes, write_shard
+    from orchestrator.data.traffic import adaptation_data
+    from orchestrator.errors import AerieError
+
+    clock = Clock()
+    storage = LocalStorage(tmp_path / "traffic")
+    tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6)
+    for i in range(6):
+        clock.t += 60
+        tap.offer(_captured(i))
+        _written(tap, i + 1)
+    tap.close()
+    cutoff = traffic_shards(storage)[0]["written_at"]  # the first shard was adapted on before
+    corpus = LocalStorage(tmp_path / "corpus")  # the drafter's own collection: 4 shards of 6 tokens
+    records = []
+    for k in range(4):
+        c = _captured(100 + k)
+        plan = ShardPlan(f"train-{k:05d}.safetensors", "train", [Sequence(f"c{k}", "chatml", c.input_ids, c.loss_mask)])
+        records.append(write_shard(corpus, plan, shard_bytes(plan, c.aux_hidden, c.final_hidden, torch.float32)))
+    corpus.write_bytes("manifest.json", json.dumps({"aux_layer_ids": [0, 1, 2], "shards": records}).encode())
+
+    manifest = adaptation_data(storage, tmp_path / "adapt", since=cutoff, holdout_fraction=0.25,
+                               replay=str(tmp_path / "corpus"), replay_share=0.5)  # fmt: skip
+    traffic = manifest["datasets"]["traffic"]
+    assert len(traffic["shards_sha256"]) == 5 and traffic["since"] == cutoff  # the first shard is not taken again
+    newest = traffic_shards(storage)[-1]["name"]
+    assert traffic["held_out"] == [newest]
+    assert manifest["splits"]["validation"]["num_shards"] == 1 and manifest["splits"]["train"]["num_shards"] == 4 + 2
+    assert manifest["datasets"]["replay"]["shards"] == ["train-00000.safetensors", "train-00001.safetensors"]
+    train = list(ShardReader(str(tmp_path / "adapt"), "train"))  # checksums verified through the links
+    held = list(ShardReader(str(tmp_path / "adapt"), "validation"))
+    assert len(train) == 6 and len(held) == 1
+    last = _captured(5)
+    assert torch.equal(held[0].input_ids, last.input_ids) and torch.equal(held[0].aux_hidden, last.aux_hidden)
+    with pytest.raises(AerieError, match="at least 2 are needed"):
+        adaptation_data(storage, tmp_path / "again", since=traffic_shards(storage)[-2]["written_at"])
