@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from orchestrator.config import StrictModel, load_config
 from orchestrator.errors import AerieError
@@ -65,6 +65,16 @@ class TrainStage(StageFile):
         description="the drafter a variant fine-tunes from (a committed directory, s3:// or models:/; its vocabulary "
         "kept); it stands for production at the gate while no version has the production alias. Others start fresh",
     )
+
+
+class TrafficStage(StrictModel):
+    """The data of an adaptation (`jobs.adapt`): what the serving tap captured since the production drafter's own
+    traffic, the newest held out, the drafter's corpus replayed against forgetting."""
+
+    output: str = Field(description="the serving tap's output (tap.output): a directory or s3://...")
+    holdout_fraction: float = Field(0.2, gt=0, lt=1, description="newest share of the shards: the gate's held-out set")
+    replay: str | None = Field(None, description="the drafter's original collection (a directory or s3://...)")
+    replay_share: float = Field(0.5, ge=0, description="replayed corpus tokens per traffic token")
 
 
 class GateConfig(StrictModel):
@@ -116,7 +126,8 @@ class PipelineConfig(StrictModel):
     models_dir: str = "models"
     registered_model: str = Field(description="MLflow registered model the drafters become versions of")
     production_alias: str = Field("production", description="the alias of the drafter in production")
-    collect: StageFile
+    collect: StageFile | None = Field(None, description="the collection job (the pipeline's data)")
+    traffic: TrafficStage | None = Field(None, description="served traffic instead of a collection (jobs.adapt)")
     train: TrainStage
     evaluate: StageFile
     gate: GateConfig = Field(default_factory=GateConfig)
@@ -128,6 +139,14 @@ class PipelineConfig(StrictModel):
     )
     mlflow_experiment: str = "aerie-pipelines"
     output_dir: str = Field(description="state.json, the stages' outputs, report.json / report.md and plots")
+
+    @model_validator(mode="after")
+    def _one_data_source(self) -> PipelineConfig:
+        if (self.collect is None) == (self.traffic is None):
+            raise ValueError("give exactly one data source: collect (a collection job) or traffic (served traffic)")
+        if self.traffic is not None and self.train.data == "online":
+            raise ValueError("train.data: online streams a collection; traffic is read as stored shards (offline)")
+        return self
 
 
 class State:
@@ -159,6 +178,7 @@ class Pipeline:
         self.uri = tracking_uri(cfg.mlflow_tracking_uri)
         self.mlflow = client(self.uri)
         self.cluster: str | None = None  # the running cluster found, or None (a private Ray)
+        self.traffic: dict | None = None  # an adaptation's lineage (traffic_data)
         self.report: dict = {"name": cfg.name, "stages": {}}
         self.parent = ""
 
@@ -284,7 +304,8 @@ class Pipeline:
         from orchestrator.serving.rollout import DeployConfig
         from orchestrator.train.config import TrainConfig
 
-        self.load("collect", CollectConfig, self.cfg.collect, [])
+        if self.cfg.collect is not None:
+            self.load("collect", CollectConfig, self.cfg.collect, [])
         self.load("train", TrainConfig, self.cfg.train, [])
         self.load("evaluate", EvalConfig, self.cfg.evaluate, [])
         if self.cfg.deploy.when != "never":
@@ -303,7 +324,12 @@ class Pipeline:
         self.check_keys()
         try:
             model_dir = self.prepare()
-            collection = self.collect(model_dir) if self.cfg.train.data == "offline" else self.online_data()
+            if self.cfg.traffic is not None:
+                collection = self.traffic_data()
+            elif self.cfg.train.data == "offline":
+                collection = self.collect(model_dir)
+            else:
+                collection = self.online_data()
             trained = {v: self.train(model_dir, collection, v) for v in self.cfg.train.variants}
             evaluation = self.evaluate(collection, trained)
             gate = self.gate(trained, evaluation, collection)
@@ -369,6 +395,40 @@ class Pipeline:
 
         return Collection.from_dict(self.stage("collect", fingerprint(cfg.model_dump(mode="json")), body, still_there))
 
+    def traffic_data(self) -> Collection:
+        """The traffic the tap captured since the production drafter's (its version's `aerie.traffic.until` tag;
+        all of it when production was not adapted), as a collection (`adaptation_data`)."""
+        from orchestrator.data.storage import open_storage
+        from orchestrator.data.traffic import adaptation_data
+
+        t = self.cfg.traffic
+        production = self.registered_production()
+        since = None
+        if production is not None:
+            uri = ModelUri.parse(production)
+            until = self.mlflow.get_model_version(uri.name, uri.version).tags.get("aerie.traffic.until")
+            since = float(until) if until else None
+        dest = self.out / "adaptation-data"
+        shutil.rmtree(dest, ignore_errors=True)
+        manifest = adaptation_data(open_storage(t.output), dest, since, t.holdout_fraction, t.replay, t.replay_share)
+        raw = (dest / "manifest.json").read_bytes()
+        sha = hashlib.sha256(raw).hexdigest()
+        traffic = manifest["datasets"]["traffic"]
+        summary = {
+            "since": since,
+            "until": traffic["until"],
+            "traffic_shards": len(traffic["shards_sha256"]),
+            "held_out_shards": len(traffic["held_out"]),
+            "replay_shards": len(manifest["datasets"]["replay"]["shards"]),
+            **{f"{split}_tokens": s["num_tokens"] for split, s in manifest["splits"].items()},
+        }
+        self.say(f"traffic: {summary}")
+        self.report["stages"]["traffic"] = {"status": "ran", **summary}
+        params = {"output": t.output, "manifest_sha256": sha, **summary}
+        run_id = self.child_run("traffic", params, artifacts={"manifest.json": raw})
+        self.traffic = {"until": traffic["until"], "base": production, "replay_share": t.replay_share}
+        return Collection(False, sha, str(dest), sha, run_id, summary)
+
     def online_data(self) -> Collection:
         """train.data: online: no collect stage; the training captures the collect config's shards as it reads."""
         self._skip("collect", "train.data is online: the trainers read hidden states captured for them")
@@ -381,8 +441,11 @@ class Pipeline:
         wiring = [*self._train_wiring(model_dir), f"data={collection.output if not collection.online else 'unused'}"]
         base = self.load("train", TrainConfig, self.cfg.train, wiring).model_dump()
         base["drafter"]["variant"] = variant
-        if variant in self.cfg.train.init_from:  # fine-tuned: the base drafter's weights and vocabulary
-            base["drafter"].update(init_from=self.cfg.train.init_from[variant], draft_vocab_coverage=None)
+        start = self.cfg.train.init_from.get(variant)
+        if self.traffic is not None and variant == self.cfg.train.variants[0]:
+            start = self.traffic["base"] or start  # an adaptation tunes the drafter in production
+        if start is not None:  # fine-tuned: the base drafter's weights and vocabulary
+            base["drafter"].update(init_from=start, draft_vocab_coverage=None)
         if collection.online:
             base["data"] = "online"
             base["online"] = OnlineData(
@@ -526,6 +589,7 @@ class Pipeline:
                 location = f"online:{self.cfg.collect.config}"
                 sha = self.mlflow.get_run(result["mlflow_run_id"]).data.params["data.manifest_sha256"]
             tags = {
+                **self._traffic_tags(),
                 "aerie.collection": location,
                 "aerie.collection.manifest_sha256": sha,
                 "aerie.collection.run_id": collection.run_id or "",
@@ -542,6 +606,17 @@ class Pipeline:
                 tags["aerie.gate.reason"] = gate["reason"]
             for key, value in tags.items():
                 self.mlflow.set_model_version_tag(name, version, key, value)
+
+    def _traffic_tags(self) -> dict[str, str]:
+        """An adapted version's lineage: the traffic it saw up to (the next adaptation starts there), the version
+        it was tuned from, the replay share."""
+        if self.traffic is None:
+            return {}
+        return {
+            "aerie.traffic.until": repr(self.traffic["until"]),
+            "aerie.traffic.base": self.traffic["base"] or "",
+            "aerie.traffic.replay_share": str(self.traffic["replay_share"]),
+        }
 
     def deploy(self, trained: dict, gate: dict) -> dict:
         from orchestrator.serving.rollout import DeployConfig, run_rollout

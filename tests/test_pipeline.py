@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,7 @@ def test_deploy_refuses_without_a_running_cluster(tmp_path):
 
 def _config_class(stem: str):
     """The job (or Serve application) a config file of configs/smollm2-135m/ belongs to, by its name."""
+    from jobs.adapt import AdaptConfig
     from orchestrator.benchmarks.generate import BenchmarkGenerateConfig
     from orchestrator.benchmarks.serving import BenchmarkServingConfig
     from orchestrator.benchmarks.training_data import BenchmarkTrainingDataConfig
@@ -148,6 +150,7 @@ def _config_class(stem: str):
         "recipes": ExtrapolationConfig,
         "deploy": DeployConfig,
         "pipeline": PipelineConfig,
+        "adapt": AdaptConfig,
         "benchmark_generate": BenchmarkGenerateConfig,
         "benchmark_serving": BenchmarkServingConfig,
         "benchmark_training_data": BenchmarkTrainingDataConfig,
@@ -260,3 +263,59 @@ def test_the_candidate_is_fine_tuned_from_its_base_and_the_baseline_starts_fresh
     assert seen["eagle3.1"].init_from == cfg.train.init_from["eagle3.1"]
     assert seen["eagle3.1"].draft_vocab_coverage is None
     assert seen["eagle3"].init_from is None
+
+
+def test_an_adaptation_reads_the_traffic_since_production_and_records_where_the_next_one_starts(tmp_path):
+    """jobs.adapt's data: all captured traffic before any adaptation; after one, only what came since the
+    production version's `aerie.traffic.until`; the candidate is tuned from production, and its version is
+    tagged with the traffic's end, its base and the replay share (the next round starts there)."""
+    import torch
+
+    from orchestrator.data.storage import LocalStorage
+    from orchestrator.data.traffic import Captured, TapConfig, TrafficTap, traffic_shards
+
+    storage = LocalStorage(tmp_path / "traffic")
+    now = [1000.0]
+    tap = TrafficTap(TapConfig(shard_tokens=4, dtype="float32"), {"aux_layer_ids": [1]}, "w", storage, lambda: now[0])
+    for i in range(5):
+        now[0] += 60
+        tap.offer(Captured(torch.arange(4) + i, torch.arange(4) >= 2, torch.randn(4, 3), torch.randn(4, 2)))
+        for _ in range(3000):  # each shard written before the clock moves on (synchronisation, not timing)
+            if tap.stats.shards == i + 1:
+                break
+            time.sleep(0.01)
+    tap.close()
+    base = {
+        "name": "p",
+        "model": "m",
+        "registered_model": "r",
+        "traffic": {"output": str(tmp_path / "traffic"), "holdout_fraction": 0.2},
+        "train": {"config": "t.yaml", "variants": ["eagle3.1"], "init_from": {"eagle3.1": "drafters/base"}},
+        "evaluate": {"config": "e.yaml"},
+        "deploy": {"config": "d.yaml"},
+        "benchmark": {"config": "b.yaml", "enabled": False},
+        "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "output_dir": str(tmp_path / "out"),
+    }
+    with pytest.raises(ValueError, match="exactly one data source"):
+        PipelineConfig.model_validate({**base, "collect": {"config": "c.yaml"}})
+    pipeline = Pipeline(PipelineConfig.model_validate(base))
+    pipeline.start_parent()
+    first = pipeline.traffic_data()
+    assert first.summary["traffic_shards"] == 5 and first.summary["since"] is None
+    assert pipeline.traffic["base"] is None  # nothing in production yet: tuned from init_from
+    registry = pipeline.mlflow
+    registry.create_registered_model("r")
+    registry.create_model_version("r", "file:///nonexistent")
+    until = traffic_shards(storage)[2]["written_at"]
+    registry.set_model_version_tag("r", "1", "aerie.traffic.until", repr(until))
+    registry.set_registered_model_alias("r", "production", "1")
+    second = Pipeline(PipelineConfig.model_validate(base))
+    second.start_parent()
+    collection = second.traffic_data()
+    assert collection.summary["since"] == until and collection.summary["traffic_shards"] == 2
+    assert collection.manifest_sha256 != first.manifest_sha256 and collection.data_key == collection.manifest_sha256
+    assert second.traffic["base"] == "models:/r/1"
+    tags = second._traffic_tags()
+    assert tags["aerie.traffic.until"] == repr(traffic_shards(storage)[-1]["written_at"])
+    assert tags["aerie.traffic.base"] == "models:/r/1" and tags["aerie.traffic.replay_share"] == "0.5"
