@@ -51,6 +51,7 @@ JOB_CONFIGS = {  # module -> (module, class) of its config
     "jobs.evaluate_drafter": ("orchestrator.evaluation.evaluate", "EvalConfig"),
     "jobs.deploy": ("orchestrator.serving.rollout", "DeployConfig"),
     "jobs.pipeline": ("orchestrator.pipeline", "PipelineConfig"),
+    "jobs.adapt": ("jobs.adapt", "AdaptConfig"),
     "jobs.benchmark_serving": ("orchestrator.benchmarks.serving", "BenchmarkServingConfig"),
 }
 CONFIG_JOBS = {  # a config file's name -> the job that reads it
@@ -59,6 +60,7 @@ CONFIG_JOBS = {  # a config file's name -> the job that reads it
     "evaluate": "jobs.evaluate_drafter",
     "deploy": "jobs.deploy",
     "pipeline": "jobs.pipeline",
+    "adapt": "jobs.adapt",
     "benchmark_serving": "jobs.benchmark_serving",
 }
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}  # GPU nodes' usual taint
@@ -177,7 +179,7 @@ def test_the_manifests_are_the_ones_an_operator_applies():
     kinds = sorted((d["kind"], d["metadata"]["name"]) for _, d in DOCS)
     assert [k for k, _ in kinds] == [
         "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "PodMonitor", "RayCluster",
-        "RayJob", "RayJob", "RayJob", "RayJob", "RayJob", "RayService",
+        "RayJob", "RayJob", "RayJob", "RayJob", "RayJob", "RayJob", "RayService",
     ]  # fmt: skip
     for f, d in DOCS:
         assert d["apiVersion"] == "ray.io/v1" or d["kind"] not in RAY_KINDS, f
@@ -345,6 +347,10 @@ def _demands(module: str, cfg) -> list[dict[str, float]]:
         return [{"CPU": w.num_cpus, "GPU": float(w.use_gpu), **w.resources}] * cfg.num_workers
     if module == "jobs.deploy":
         return 2 * app_bundles(_validate(cfg.app))
+    if module == "jobs.adapt":  # its training beside the backend it updates (and the canary: as jobs.deploy's)
+        return app_bundles(_validate(_validate(cfg.deploy.config).app)) + _demands(
+            "jobs.train_drafter", _stage(cfg, "train")
+        )
     if module == "jobs.pipeline":  # its biggest stage beside the backend it updates (checked per stage below)
         return app_bundles(_validate(_validate(cfg.deploy.config).app)) + max(
             (
