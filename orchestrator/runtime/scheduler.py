@@ -128,6 +128,17 @@ class _Group:
 
 
 @dataclass
+class Measuring:
+    """Drafting for measurement (a rollout's canary window): until `until`, at least `share` of the rounds draft,
+    whatever the mode chooser says, so both drafters are compared on evidence at a bounded cost."""
+
+    share: float
+    until: float
+    rounds: int = 0
+    drafted: int = 0
+
+
+@dataclass
 class Drafted:
     """A draft call's result for one micro-batch."""
 
@@ -164,6 +175,7 @@ class SpecScheduler:
         self.groups = [_Group() for _ in range(cfg.micro_batches)]
         self.draft_alive = draft is not None
         self.draft_incarnation: str | None = None  # changes when the draft worker restarts
+        self.measuring: Measuring | None = None
         self.free_slots = {"target": cfg.max_batch, "draft": cfg.max_batch if draft is not None else 0}
         self.trace: deque[dict] = deque(maxlen=trace_size)
         self._ids = itertools.count()
@@ -227,6 +239,10 @@ class SpecScheduler:
                 return
             yield delta, None, None
 
+    def measure(self, share: float, seconds: float) -> None:
+        """Draft at least `share` of the rounds for the next `seconds` (0: stop), whatever the mode chooser says."""
+        self.measuring = Measuring(share, self.clock() + seconds) if share > 0 and seconds > 0 else None
+
     def abort(self, request_id: str) -> None:
         """The client left (or a stop string matched): end the request, free its slots."""
         r = self.requests.get(request_id)
@@ -283,8 +299,17 @@ class SpecScheduler:
         round_began = time.perf_counter()
         drafted, predicted = None, 0.0
         draftable = any(r.draftable for r in group.requests.values())
-        if self.draft_alive and draftable and (not self.cfg.adaptive or group.modes.choose(len(ids))):
+        want = not self.cfg.adaptive or group.modes.choose(len(ids))
+        m = self.measuring
+        if m is not None and self.clock() > m.until:
+            self.measuring = m = None
+        if m is not None:
+            m.rounds += 1
+            want = want or m.drafted < m.share * m.rounds
+        if self.draft_alive and draftable and want:
             drafted = await self._draft(g)
+            if m is not None and drafted is not None:
+                m.drafted += 1
         sketches = drafted.sketches if drafted is not None else {}
         ids = [rid for rid in ids if rid in group.requests]  # requests that ended meanwhile are not verified
         if not ids:

@@ -296,6 +296,21 @@ class SpecServer:
             "actor_names": self.workers.names,
         }
 
+    @api.post("/measure")
+    async def measure(self, request: Request):
+        """A rollout's canary window: draft at least `share` of the rounds for `seconds` (SpecScheduler.measure)."""
+        try:
+            body = await request.json()
+            share, seconds = float(body["share"]), float(body["seconds"])
+            if not (0 <= share <= 1 and 0 <= seconds <= 86400):
+                raise ValueError("share in [0, 1], seconds in [0, 86400]")
+        except (ValueError, KeyError, TypeError) as err:
+            error = RequestError(f"measure takes {{share, seconds}}: {err}", "share")
+            return JSONResponse(error.body(), status_code=400)
+        self._start()
+        self.scheduler.measure(share, seconds)
+        return {"share": share, "seconds": seconds}
+
     @api.get("/stats")
     async def stats(self, trace: bool = False):
         # A monitoring read (the rollout polls it): a worker busy with queued rounds does not hold it up, its

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from orchestrator.errors import AerieError
-from orchestrator.serving.backends import build_application
+from orchestrator.serving.backends import backend_of, build_application
 from orchestrator.serving.counters import backend_counters, running_import_path
 from orchestrator.serving.launch import app_resources
 from orchestrator.serving.placement import PlacementWatch, check_placeable, fmt_resources, wait_running
@@ -148,6 +148,24 @@ class ServeDeployments:
     def import_path_of(self, app: str) -> str:
         """The import path of running backend `app`'s kind."""
         return running_import_path(app)
+
+    def measure(self, app: str, import_path: str, share: float, seconds: float) -> None:
+        """Ask a disaggregated backend to draft at least `share` of its rounds for `seconds` (vLLM drafts every
+        step anyway). Best effort: a backend that does not answer is named in an event, the watch goes on."""
+        if backend_of(import_path) != "disaggregated":
+            return
+        import urllib.request
+
+        from orchestrator.serving.guard import auth_headers
+
+        body = json.dumps({"share": share, "seconds": seconds}).encode()
+        url = f"{self.proxy}{BACKEND_PREFIX}/{app}/measure"
+        headers = {"content-type": "application/json", **auth_headers()}
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, body, headers, method="POST"), timeout=10).close()
+            self.event("measuring", app=app, share=share, seconds=seconds)
+        except OSError as err:
+            self.event("measuring not set", app=app, error=repr(err)[:200])
 
     def counters(self, app: str, import_path: str) -> dict[str, Acceptance]:
         """`app`'s cumulative acceptance counters by replica (what `CounterWindow` takes)."""

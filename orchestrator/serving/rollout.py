@@ -71,6 +71,13 @@ class DeployConfig(StrictModel):
     tolerance: float = Field(
         0.1, ge=0, description="promote when canary acceptance is confidently >= stable's minus this (canary.py)"
     )
+    measure_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="during the canary window both disaggregated backends draft at least this share of rounds "
+        "(their mode choosers may have turned drafting off): evidence for the decision at a bounded cost; 0: off",
+    )
     alpha: float = Field(
         0.05, gt=0, lt=0.5, description="chance of a wrong decision the test allows, all looks together"
     )
@@ -181,6 +188,8 @@ class Rollout:
             paths = {stable.app: self.d.import_path_of(stable.app), canary.app: config_app["import_path"]}
             self.d.set_routes([stable.model_copy(update={"weight": 1 - self.cfg.canary_weight}), canary])
             self.to(Phase.CANARY)
+            for app, path in paths.items():
+                self.d.measure(app, path, self.cfg.measure_share, self.cfg.max_window_s)
             watched, verdict = self.watch(paths, lambda now, final: test.look(now[stable.app], now[canary.app], final))
         except BaseException as err:  # a failure or an interrupt (Ctrl-C, `ray job stop`) while the canary runs
             self.to(Phase.RETIRING, "interrupted", reason=repr(err)[:300])
@@ -192,6 +201,7 @@ class Rollout:
         self.record["test"] = verdict.to_dict()
         self.to(Phase.RETIRING, verdict.decision, reason=verdict.reason)
         winner, loser = (canary, stable) if verdict.decision == "promoted" else (stable, canary)
+        self.d.measure(winner.app, paths[winner.app], 0.0, 0.0)  # the mode chooser decides again
         self.retire(winner, loser)
         self.record["app"] = winner.app
         self.to(Phase.DONE)

@@ -333,3 +333,27 @@ def test_slots_are_asked_of_both_workers_at_once_and_a_late_one_keeps_its_last_c
         assert h.scheduler.free_slots == {"target": 2, "draft": 1}
 
     run(h, body)
+
+
+def test_measuring_drafts_a_bounded_share_of_rounds_the_mode_chooser_would_not():
+    """A rollout's canary window: the mode chooser says target-only, `measure(0.5, ...)` drafts half of the
+    rounds anyway (no more), output exact; when it ends (or measure(0, 0)) the chooser decides again."""
+    h = build(max_batch=2, micro_batches=1, adaptive=True, context=400)
+    h.scheduler.groups[0].modes.choose = lambda n: False
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+
+    async def rounds_with(share: float) -> tuple[int, int]:
+        before = dict(h.scheduler.meter.totals)
+        h.scheduler.measure(share, 1e9)
+        r = h.scheduler.submit([1, 2, 3], params)
+        await read(h, r)
+        assert tokens_of(h.seen[r.id]) == reference([1, 2, 3], params)
+        t = h.scheduler.meter.totals
+        return int(t["rounds"] - before["rounds"]), int(t["spec_rounds"] - before["spec_rounds"])
+
+    async def body(h):
+        return [await rounds_with(share) for share in (0.5, 0.0)]
+
+    (rounds, drafted), (rounds_off, drafted_off) = run(h, body)
+    assert drafted_off == 0 and rounds_off == 119  # target-only: one token a round after the prefill's first
+    assert 0.5 * rounds - 1 <= drafted <= 0.5 * rounds + 1 and rounds < 120  # drafted rounds gain tokens

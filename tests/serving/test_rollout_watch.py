@@ -84,6 +84,9 @@ class FakeDeployments:
     def import_path_of(self, app: str) -> str:
         return self.apps[app]
 
+    def measure(self, app: str, path: str, share: float, seconds: float) -> None:
+        self.calls.append(f"measure {app} {share:g}")
+
     def counters(self, app: str, path: str) -> dict[str, Acceptance]:
         self.reads += 1
         if self.reads in self.fail or "all" in self.fail:
@@ -146,6 +149,7 @@ def test_the_rollout_state_machine_takes_every_transition_with_fake_backends(tmp
     events = [e["event"] for e in record["events"]]
     assert events.index("drained") < events.index("deleted") and events[-2:] == ["deleted", "done"]
     assert d.calls[-3:] == ["set_routes m-2:1 m-1:0", "set_routes m-2:1", "delete m-1"]
+    assert {"measure m-1 0.5", "measure m-2 0.5"} <= set(d.calls) and d.calls[-4] == "measure m-2 0"
     assert [r.app for r in d.routes] == ["m-2"]
 
     # rolled back: the candidate accepts about 1.3 tokens per draft less than the stable one
