@@ -319,3 +319,62 @@ def test_an_adaptation_reads_the_traffic_since_production_and_records_where_the_
     tags = second._traffic_tags()
     assert tags["aerie.traffic.until"] == repr(traffic_shards(storage)[-1]["written_at"])
     assert tags["aerie.traffic.base"] == "models:/r/1" and tags["aerie.traffic.replay_share"] == "0.5"
+
+
+def test_the_mlflow_walk_from_an_adapted_version_back_to_its_traffic(tmp_path):
+    """From a registered version: its tags name the traffic run, whose manifest.json artifact has the tagged
+    sha256 and lists the traffic source and every shard's sha256, the ones on storage."""
+    import hashlib
+    import json
+
+    import mlflow
+    import torch
+
+    from orchestrator.data.storage import LocalStorage
+    from orchestrator.data.traffic import Captured, TapConfig, TrafficTap, traffic_shards
+
+    storage = LocalStorage(tmp_path / "traffic")
+    now = [1000.0]
+    tap = TrafficTap(TapConfig(shard_tokens=4, dtype="float32"), {"aux_layer_ids": [1]}, "w", storage, lambda: now[0])
+    for i in range(3):
+        now[0] += 60
+        tap.offer(Captured(torch.arange(4) + i, torch.arange(4) >= 2, torch.randn(4, 3), torch.randn(4, 2)))
+        for _ in range(3000):
+            if tap.stats.shards == i + 1:
+                break
+            time.sleep(0.01)
+    tap.close()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = PipelineConfig.model_validate(
+        {
+            "name": "p",
+            "model": "m",
+            "registered_model": "r",
+            "traffic": {"output": str(tmp_path / "traffic")},
+            "train": {"config": "t.yaml", "variants": ["eagle3.1"]},
+            "evaluate": {"config": "e.yaml"},
+            "deploy": {"config": "d.yaml"},
+            "benchmark": {"config": "b.yaml", "enabled": False},
+            "mlflow_tracking_uri": uri,
+            "output_dir": str(tmp_path / "out"),
+        }
+    )
+    pipeline = Pipeline(cfg)
+    pipeline.start_parent()
+    collection = pipeline.traffic_data()
+    registry = pipeline.mlflow
+    registry.create_registered_model("r")
+    registry.create_model_version("r", "file:///nonexistent")
+    trained = {"eagle3.1": {"registered": "models:/r/1", "mlflow_run_id": pipeline.parent}}
+    evaluation = {"mlflow_run_id": "eval", "drafters": {"eagle3.1": {"source": "models:/r/1", **_evaluated(1.5)}}}
+    gate = {"candidate": "models:/r/1", "passed": True, "reason": "r"}
+    pipeline._tag_versions(trained, evaluation, gate, collection)
+
+    tags = registry.get_model_version("r", "1").tags  # the walk starts at the version
+    run = registry.get_run(tags["aerie.collection.run_id"])
+    path = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="manifest.json", tracking_uri=uri)
+    raw = Path(path).read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == tags["aerie.collection.manifest_sha256"]
+    traffic = json.loads(raw)["datasets"]["traffic"]
+    assert traffic["source"] == storage.uri() and tags["aerie.traffic.until"] == repr(traffic["until"])
+    assert traffic["shards_sha256"] == {r["name"]: r["sha256"] for r in traffic_shards(storage)}

@@ -53,6 +53,21 @@ class Verdict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
+def replay(
+    stream: list[dict], stable: str, canary: str, test: CanaryTest, window_s: float, max_window_s: float
+) -> Verdict:
+    """The decision a rollout would reach on a recorded counter stream (record.json's `counters`: per poll the
+    seconds since the watch began and each app's window totals), with `test`'s settings: what lets recorded
+    windows be decided again under other tolerances, levels or windows."""
+    rows = [r for r in stream if r["t"] >= window_s]
+    for i, row in enumerate(rows):
+        final = row["t"] >= max_window_s or i == len(rows) - 1
+        verdict = test.look(Acceptance.from_dict(row[stable]), Acceptance.from_dict(row[canary]), final)
+        if verdict is not None:
+            return verdict
+    return test.look(Acceptance(), Acceptance(), final=True)  # nothing recorded after window_s
+
+
 class CanaryTest:
     """Sequential non-inferiority test of the canary's acceptance against the stable backend's (module docstring)."""
 

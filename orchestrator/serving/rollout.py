@@ -239,6 +239,8 @@ class Rollout:
             else:
                 for app, read in reads.items():
                     windows[app].update(read)
+                counters = {app: w.total().to_dict() for app, w in windows.items()}
+                self.record.setdefault("counters", []).append({"t": round(elapsed, 2), **counters})  # replayable
                 if elapsed >= cfg.window_s:
                     now = {app: w.total() for app, w in windows.items()}
                     self.event("watch", **{app: a.summary() for app, a in now.items()})

@@ -87,3 +87,22 @@ def test_undecided_by_the_end_is_inconclusive_and_so_is_a_window_without_enough_
     rng = random.Random(4)
     decision, record = _decide(rng, 0.6, 0.6, tolerance=0.0)
     assert decision == "inconclusive" and record["low"] < 0 < record["high"] and record["look"] >= 3
+
+
+def test_a_recorded_counter_stream_is_decided_again_as_the_rollout_decided_it(tmp_path):
+    """record.json keeps every poll's window totals; `replay` reaches the rollout's decision on them, and another
+    one under other settings (a tolerance that tolerates the difference)."""
+    from orchestrator.serving.canary import replay
+
+    rng = random.Random(5)
+    stable, canary, stream = Acceptance(), Acceptance(), []
+    for poll in range(40):
+        for _ in range(8):
+            stable.record(5, _draft(rng, 0.6))
+            canary.record(5, _draft(rng, 0.45))
+        stream.append({"t": float(poll), "s": stable.to_dict(), "c": canary.to_dict()})
+    verdict = replay(stream, "s", "c", CanaryTest(0.1, 50), window_s=5, max_window_s=39)
+    assert verdict.decision == "rolled back" and verdict.high < -0.1
+    lenient = replay(stream, "s", "c", CanaryTest(2.0, 50), window_s=5, max_window_s=39)
+    assert lenient.decision == "promoted" and lenient.low >= -2.0
+    assert replay(stream[:3], "s", "c", CanaryTest(0.1, 50), window_s=5, max_window_s=39).decision == "inconclusive"
