@@ -106,12 +106,12 @@ class TrafficTap:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg, self.meta, self.writer, self.clock = cfg, meta, writer, clock
-        self.storage = storage if storage is not None else open_storage(cfg.output)
+        self.storage = storage  # opened by the writer thread: a store that is down does not stop the server
         self.stats = TapStats()
         self._queue: queue.Queue[Captured | None] = queue.Queue(maxsize=cfg.queue_requests)
         self._lock = threading.Lock()
         self._closed = False
-        self.records = self._read_manifest()
+        self.records: list[dict] = []
         self._thread = threading.Thread(target=self._run, name=f"traffic-tap-{writer}", daemon=True)
         self._thread.start()
 
@@ -162,6 +162,14 @@ class TrafficTap:
     def _write(self, pending: _Pending) -> None:
         """Write one shard and the manifest, then apply retention. Failures are logged and counted, never raised."""
         now = self.clock()
+        if self.storage is None:  # opened at the first write, and again after one that could not open it
+            try:
+                self.storage = open_storage(self.cfg.output)
+            except Exception as err:  # noqa: BLE001 (a tap failure never reaches a request)
+                self.stats.write_errors += 1
+                self.stats.lost_requests += len(pending.sequences)
+                log.warning("traffic tap %s: cannot open %s: %s", self.writer, self.cfg.output, redact_text(repr(err)))
+                return
         name = f"{self.writer}/traffic-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:6]}"
         plan = ShardPlan(f"{name}.safetensors", "train", pending.sequences)
         try:

@@ -91,3 +91,23 @@ def test_nothing_is_kept_when_the_tap_samples_none_or_the_request_is_aborted(tmp
     run(h, aborted)
     h.target.worker.tap.close()
     assert _captured(tmp_path / "aborted") == []  # the client left: its request never finished
+
+
+def test_a_tap_whose_storage_cannot_be_opened_serves_on_and_counts_what_it_lost(tmp_path):
+    """The tap's output under a regular file: the target worker starts, every request is answered exactly, and
+    the tap counts the requests it could not write."""
+    (tmp_path / "file").write_text("not a directory")
+    tap = TapConfig(enabled=True, output=str(tmp_path / "file" / "traffic"), shard_tokens=1)
+    h = build(max_batch=2, tap=tap)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    async def body(h):
+        rs = [h.scheduler.submit(p, params, capture=True) for p in ([1, 2], [3, 4, 5])]
+        return rs, await asyncio.gather(*(read(h, r) for r in rs))
+
+    rs, events = run(h, body)
+    worker_tap = h.target.worker.tap
+    worker_tap.close()
+    assert [tokens_of(e) for e in events] == [reference([1, 2], params), reference([3, 4, 5], params)]
+    assert all(e[-1].finish_reason == "length" for e in events)
+    assert worker_tap.stats.write_errors >= 1 and worker_tap.stats.lost_requests == 2
