@@ -19,6 +19,7 @@ async def steady_load(
     offset); a summary: requests, failures and their first errors, tokens, per-user tokens/s."""
     import httpx
 
+    prompts = [{k: p[k] for k in ("messages", "prompt") if k in p} for p in prompts]  # no ids of the prompt sets
     async with httpx.AsyncClient(timeout=600, headers=headers) as client:
         answer = await client.get(f"{url}/v1/models")
         if answer.status_code != 200:
@@ -31,6 +32,8 @@ async def steady_load(
             i = u
             while time.monotonic() < deadline:
                 results.append(await stream_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+                if "error" in results[-1]:
+                    await asyncio.sleep(0.2)  # a refused request is counted, not retried at once
                 i += users
 
         began = time.monotonic()

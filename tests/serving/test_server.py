@@ -375,15 +375,14 @@ def test_metrics_reach_prometheus_under_the_dashboard_names(apps):
     assert 'model="tiny"' in text
 
 
-def test_steady_load_keeps_users_busy_for_its_duration_and_counts_failures(apps):
+def test_steady_load_keeps_users_busy_for_its_duration_and_counts_failures(apps, references):
     """`aerie load`'s engine: closed-loop users for a few seconds against a served model, every response
     checked; a server that refuses the client fails in one line before any load."""
     from orchestrator.benchmarks.load import steady_load
     from orchestrator.data.prompts import humaneval_prompts
 
-    summary = asyncio.run(
-        steady_load(apps["chain"], humaneval_prompts(4), users=2, seconds=3, max_tokens=8, headers=AUTH)
-    )
+    prompts = [{"messages": m, "task_id": i} for i, m in enumerate(references["messages"][:4])]  # ids are not sent
+    summary = asyncio.run(steady_load(apps["chain"], prompts, users=2, seconds=3, max_tokens=8, headers=AUTH))
     assert summary["requests"] >= 2 and summary["failed"] == 0 and summary["tokens"] == 8 * summary["requests"]
     from orchestrator.errors import AerieError
 
