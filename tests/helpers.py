@@ -175,3 +175,33 @@ def vllm_generate(model_dir: Path, prompts: Path, out: Path, drafter: Path | Non
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def captured_request(i: int, n: int = 6, aux_width: int = 12, hidden: int = 4):
+    """A finished request as the target worker offers it to the traffic tap: n random token ids (the second
+    half the answer) and random states, seeded by i."""
+    from orchestrator.data.traffic import Captured
+
+    g = torch.Generator().manual_seed(i)
+    ids, aux = torch.randint(0, 100, (n,), generator=g), torch.randn(n, aux_width, generator=g)
+    return Captured(ids, torch.arange(n) >= n // 2, aux, torch.randn(n, hidden, generator=g))
+
+
+def wait_written(tap, shards: int) -> None:
+    """Until the tap's writer thread has written (or failed) `shards` shards in all: synchronisation, not timing."""
+    import time
+
+    for _ in range(3000):
+        if tap.stats.shards + tap.stats.write_errors >= shards:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the tap wrote {tap.stats.shards} shards, not {shards}")
+
+
+def write_traffic(tap, clock, requests: int, every_s: float, first: int = 0) -> None:
+    """`requests` requests offered to `tap` (one shard each when shard_tokens fits one), `clock.t` moving on by
+    `every_s` before each; returns once all are written."""
+    for i in range(requests):
+        clock.t += every_s
+        tap.offer(captured_request(first + i))
+        wait_written(tap, tap.stats.shards + tap.stats.write_errors + 1)

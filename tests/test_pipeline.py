@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -265,26 +264,29 @@ def test_the_candidate_is_fine_tuned_from_its_base_and_the_baseline_starts_fresh
     assert seen["eagle3"].init_from is None
 
 
+def _traffic(tmp_path: Path, requests: int):
+    """What a serving tap captured: one shard per request, a minute apart; its storage."""
+    from types import SimpleNamespace
+
+    from orchestrator.data.storage import LocalStorage
+    from orchestrator.data.traffic import TapConfig, TrafficTap
+    from tests.helpers import write_traffic
+
+    storage, clock = LocalStorage(tmp_path / "traffic"), SimpleNamespace(t=1000.0)
+    tap = TrafficTap(TapConfig(shard_tokens=6, dtype="float32"), {"aux_layer_ids": [1]}, "w", storage, lambda: clock.t)
+    write_traffic(tap, clock, requests, every_s=60)
+    tap.close()
+    return storage
+
+
 def test_an_adaptation_reads_the_traffic_since_production_and_records_where_the_next_one_starts(tmp_path):
     """jobs.adapt's data: all captured traffic before any adaptation; after one, only what came since the
     production version's `aerie.traffic.until`; the candidate is tuned from production, and its version is
     tagged with the traffic's end, its base and the replay share (the next round starts there)."""
-    import torch
 
-    from orchestrator.data.storage import LocalStorage
-    from orchestrator.data.traffic import Captured, TapConfig, TrafficTap, traffic_shards
+    from orchestrator.data.traffic import traffic_shards
 
-    storage = LocalStorage(tmp_path / "traffic")
-    now = [1000.0]
-    tap = TrafficTap(TapConfig(shard_tokens=4, dtype="float32"), {"aux_layer_ids": [1]}, "w", storage, lambda: now[0])
-    for i in range(5):
-        now[0] += 60
-        tap.offer(Captured(torch.arange(4) + i, torch.arange(4) >= 2, torch.randn(4, 3), torch.randn(4, 2)))
-        for _ in range(3000):  # each shard written before the clock moves on (synchronisation, not timing)
-            if tap.stats.shards == i + 1:
-                break
-            time.sleep(0.01)
-    tap.close()
+    storage = _traffic(tmp_path, 5)
     base = {
         "name": "p",
         "model": "m",
@@ -328,22 +330,10 @@ def test_the_mlflow_walk_from_an_adapted_version_back_to_its_traffic(tmp_path):
     import json
 
     import mlflow
-    import torch
 
-    from orchestrator.data.storage import LocalStorage
-    from orchestrator.data.traffic import Captured, TapConfig, TrafficTap, traffic_shards
+    from orchestrator.data.traffic import traffic_shards
 
-    storage = LocalStorage(tmp_path / "traffic")
-    now = [1000.0]
-    tap = TrafficTap(TapConfig(shard_tokens=4, dtype="float32"), {"aux_layer_ids": [1]}, "w", storage, lambda: now[0])
-    for i in range(3):
-        now[0] += 60
-        tap.offer(Captured(torch.arange(4) + i, torch.arange(4) >= 2, torch.randn(4, 3), torch.randn(4, 2)))
-        for _ in range(3000):
-            if tap.stats.shards == i + 1:
-                break
-            time.sleep(0.01)
-    tap.close()
+    storage = _traffic(tmp_path, 3)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = PipelineConfig.model_validate(
         {

@@ -11,16 +11,10 @@ import torch
 
 from orchestrator.data.shards import read_shard
 from orchestrator.data.storage import LocalStorage
-from orchestrator.data.traffic import Captured, TapConfig, TrafficTap, delete_traffic, traffic_shards
+from orchestrator.data.traffic import TapConfig, TrafficTap, delete_traffic, traffic_shards
+from tests.helpers import captured_request, wait_written, write_traffic
 
 META = {"name": "tiny", "hidden_size": 4, "aux_layer_ids": [0, 1, 2]}
-
-
-def _captured(i: int, n: int = 6) -> Captured:
-    g = torch.Generator().manual_seed(i)
-    mask = torch.arange(n) >= n // 2  # the answer: the second half
-    ids, aux, final = torch.randint(0, 100, (n,), generator=g), torch.randn(n, 12, generator=g), torch.randn(n, 4)
-    return Captured(ids, mask, aux, final)
 
 
 class Clock:
@@ -31,15 +25,6 @@ class Clock:
         return self.t
 
 
-def _written(tap: TrafficTap, shards: int) -> None:
-    """Wait until the writer thread has written `shards` shards in all (synchronisation, not timing)."""
-    for _ in range(3000):
-        if tap.stats.shards + tap.stats.write_errors >= shards:
-            return
-        threading.Event().wait(0.01)
-    raise AssertionError(f"the tap wrote {tap.stats.shards} shards, not {shards}")
-
-
 def _tap(tmp_path, storage=None, clock=None, **kw) -> TrafficTap:
     cfg = TapConfig(enabled=True, output=str(tmp_path / "traffic"), **({"shard_tokens": 12, "dtype": "float32"} | kw))
     return TrafficTap(cfg, META, "replica-a", storage=storage, clock=clock or Clock())
@@ -47,7 +32,7 @@ def _tap(tmp_path, storage=None, clock=None, **kw) -> TrafficTap:
 
 def test_shards_hold_exactly_what_was_offered_in_the_collection_format(tmp_path):
     tap = _tap(tmp_path)
-    offered = [_captured(i) for i in range(5)]
+    offered = [captured_request(i) for i in range(5)]
     assert all(tap.offer(c) for c in offered)
     tap.close()
     storage = LocalStorage(tmp_path / "traffic")
@@ -79,9 +64,9 @@ class BlockingStorage(LocalStorage):
 def test_a_slow_storage_never_blocks_an_offer_a_full_queue_drops_and_counts(tmp_path):
     storage = BlockingStorage(tmp_path / "traffic")
     tap = _tap(tmp_path, storage, shard_tokens=1, queue_requests=4)
-    assert tap.offer(_captured(0))
+    assert tap.offer(captured_request(0))
     assert storage.entered.wait(30)  # the writer is stuck in its first write
-    results = [tap.offer(_captured(i)) for i in range(1, 10)]  # returns at once: 4 queued, 5 dropped
+    results = [tap.offer(captured_request(i)) for i in range(1, 10)]  # returns at once: 4 queued, 5 dropped
     assert results == [True] * 4 + [False] * 5 and tap.stats.dropped == 5
     storage.release.set()
     tap.close()
@@ -103,12 +88,12 @@ def test_a_failing_storage_loses_only_its_shard_and_raises_nothing(tmp_path):
     storage = FlakyStorage(tmp_path / "traffic")
     tap = _tap(tmp_path, storage)
     for i in range(2):
-        assert tap.offer(_captured(i))
+        assert tap.offer(captured_request(i))
     tap.close()
     assert tap.stats.write_errors == 1 and tap.stats.lost_requests == 2 and tap.stats.shards == 0
     storage.failing = False
     tap = _tap(tmp_path, storage)  # a new replica writes again
-    tap.offer(_captured(3))
+    tap.offer(captured_request(3))
     tap.close()
     assert [r["num_sequences"] for r in traffic_shards(storage)] == [1]
 
@@ -117,7 +102,7 @@ def test_retention_keeps_the_byte_budget_and_the_maximum_age_across_restarts(tmp
     clock = Clock()
     storage = LocalStorage(tmp_path / "traffic")
     probe = TrafficTap(TapConfig(shard_tokens=6, dtype="float32"), META, "probe", storage=storage, clock=clock)
-    probe.offer(_captured(0))
+    probe.offer(captured_request(0))
     probe.close()
     size = traffic_shards(storage)[0]["bytes"]  # every shard of one 6-token request has this size
     delete_traffic(storage)
@@ -125,8 +110,8 @@ def test_retention_keeps_the_byte_budget_and_the_maximum_age_across_restarts(tmp
         tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6, max_bytes=3 * size, max_age_hours=1)
         for i in range(4):
             clock.t += 60
-            tap.offer(_captured(10 * restart + i))
-            _written(tap, i + 1)
+            tap.offer(captured_request(10 * restart + i))
+            wait_written(tap, i + 1)
         tap.close()
         records = traffic_shards(storage)
         assert sum(r["bytes"] for r in records) <= 3 * size and len(records) == 3
@@ -135,7 +120,7 @@ def test_retention_keeps_the_byte_budget_and_the_maximum_age_across_restarts(tmp
     assert len(files) == 3  # deleted from storage, not only from the manifest
     clock.t += 2 * 3600  # everything is older than max_age_hours: the next write deletes it
     tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6, max_bytes=3 * size, max_age_hours=1)
-    tap.offer(_captured(99))
+    tap.offer(captured_request(99))
     tap.close()
     assert [r["written_at"] for r in traffic_shards(storage)] == [clock.t]
 
@@ -144,13 +129,10 @@ def test_delete_traffic_by_age_or_all_and_a_live_tap_does_not_bring_deleted_shar
     clock = Clock()
     storage = LocalStorage(tmp_path / "traffic")
     tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6)
-    for i in range(3):
-        clock.t += 3600
-        tap.offer(_captured(i))
-        _written(tap, i + 1)
+    write_traffic(tap, clock, 3, every_s=3600)
     assert delete_traffic(storage, older_than_hours=0.5, now=clock.t) == 2  # written 2 h and 1 h ago
     assert len(traffic_shards(storage)) == 1
-    tap.offer(_captured(7))  # the tap's next shard: the manifest does not list the deleted ones again
+    tap.offer(captured_request(7))  # the tap's next shard: the manifest does not list the deleted ones again
     tap.close()
     assert len(traffic_shards(storage)) == 2
     assert delete_traffic(storage) == 2
@@ -165,7 +147,7 @@ def test_the_cli_lists_and_deletes_captured_traffic_and_names_keys_without_showi
 
     tap = _tap(tmp_path, shard_tokens=6)
     for i in range(2):
-        tap.offer(_captured(i))
+        tap.offer(captured_request(i))
     tap.close()
     out = str(tmp_path / "traffic")
     assert main(["traffic", "list", "--output", out]) == 0
@@ -207,16 +189,13 @@ def test_adaptation_data_holds_out_the_newest_traffic_and_replays_the_corpus(tmp
     clock = Clock()
     storage = LocalStorage(tmp_path / "traffic")
     tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6)
-    for i in range(6):
-        clock.t += 60
-        tap.offer(_captured(i))
-        _written(tap, i + 1)
+    write_traffic(tap, clock, 6, every_s=60)
     tap.close()
     cutoff = traffic_shards(storage)[0]["written_at"]  # the first shard was adapted on before
     corpus = LocalStorage(tmp_path / "corpus")  # the drafter's own collection: 4 shards of 6 tokens
     records = []
     for k in range(4):
-        c = _captured(100 + k)
+        c = captured_request(100 + k)
         plan = ShardPlan(f"train-{k:05d}.safetensors", "train", [Sequence(f"c{k}", "chatml", c.input_ids, c.loss_mask)])
         records.append(write_shard(corpus, plan, shard_bytes(plan, c.aux_hidden, c.final_hidden, torch.float32)))
     corpus.write_bytes("manifest.json", json.dumps({"aux_layer_ids": [0, 1, 2], "shards": records}).encode())
@@ -232,7 +211,7 @@ def test_adaptation_data_holds_out_the_newest_traffic_and_replays_the_corpus(tmp
     train = list(ShardReader(str(tmp_path / "adapt"), "train"))  # checksums verified through the links
     held = list(ShardReader(str(tmp_path / "adapt"), "validation"))
     assert len(train) == 6 and len(held) == 1
-    last = _captured(5)
+    last = captured_request(5)
     assert torch.equal(held[0].input_ids, last.input_ids) and torch.equal(held[0].aux_hidden, last.aux_hidden)
     with pytest.raises(AerieError, match="at least 2 are needed"):
         adaptation_data(storage, tmp_path / "again", since=traffic_shards(storage)[-2]["written_at"])
