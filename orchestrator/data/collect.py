@@ -43,6 +43,7 @@ from orchestrator.data.shards import (
     plan_record,
     plan_shards,
     shard_bytes,
+    split_totals,
     target_states,
     write_shard,
 )
@@ -541,12 +542,7 @@ def online_manifest(cfg: CollectConfig, model_dir: Path, planned: CollectionPlan
 
 
 def build_manifest(cfg: CollectConfig, model_dir: Path, hf: dict, aux, provenance: dict, records: list[dict]) -> dict:
-    splits = {}
-    for r in records:
-        s = splits.setdefault(r["split"], {"num_shards": 0, "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0})
-        s["num_shards"] += 1
-        for key in ("num_sequences", "num_tokens", "num_loss_tokens"):
-            s[key] += r[key]
+    splits = split_totals(records)
     return {
         "format": "aerie-hidden-states/1",
         "target": {

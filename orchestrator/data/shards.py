@@ -145,6 +145,17 @@ def plan_record(plan: ShardPlan) -> dict:
     }
 
 
+def split_totals(records: list[dict]) -> dict[str, dict]:
+    """A manifest's `splits`: per split, shards and the sequences, tokens and loss tokens of their records."""
+    splits: dict[str, dict] = {}
+    for r in records:
+        s = splits.setdefault(r["split"], {"num_shards": 0, "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0})
+        s["num_shards"] += 1
+        for key in ("num_sequences", "num_tokens", "num_loss_tokens"):
+            s[key] += r[key]
+    return splits
+
+
 def write_shard(storage: Storage, plan: ShardPlan, data: bytes) -> dict:
     """Write a shard, then its checksum record; returns the record."""
     record = {**plan_record(plan), "bytes": len(data), "sha256": sha256(data)}

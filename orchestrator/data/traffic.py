@@ -34,7 +34,7 @@ import torch
 from pydantic import Field
 
 from orchestrator.config import StrictModel
-from orchestrator.data.shards import Sequence, ShardPlan, shard_bytes, write_shard
+from orchestrator.data.shards import Sequence, ShardPlan, shard_bytes, split_totals, write_shard
 from orchestrator.data.storage import LocalStorage, Storage, open_storage, safe_path
 from orchestrator.errors import AerieError
 from orchestrator.models.device import DTYPES
@@ -311,12 +311,7 @@ def adaptation_data(
                 break
             shards.append(_link(source, r, dest, "replay", "train"))
             replayed.append(r["name"])
-    splits: dict[str, dict] = {}
-    for r in shards:
-        s = splits.setdefault(r["split"], {"num_shards": 0, "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0})
-        s["num_shards"] += 1
-        for key in ("num_sequences", "num_tokens", "num_loss_tokens"):
-            s[key] += r[key]
+    splits = split_totals(shards)
     manifest = {
         "format": "aerie-hidden-states/1",
         "target": {k: v for k, v in meta.items() if k != "aux_layer_ids"},
