@@ -13,7 +13,9 @@ counts). Each shard's conversation ids are random, not request ids. Retention ru
 oldest shards go first until the writer's shards fit `max_bytes`, and every shard older than `max_age_hours`
 goes; `delete_traffic` deletes by age or entirely (`aerie traffic delete`).
 
-A writer (one per serving replica) keeps its own folder and manifest; `traffic_shards` lists every writer's.
+A writer (one per serving replica: its target worker's actor name, kept when the actor restarts) keeps its own
+folder and manifest; `traffic_shards` lists every writer's. The folder of a writer that is gone (a replaced
+replica) is deleted by a live writer's retention once all its shards are past `max_age_hours`.
 """
 
 from __future__ import annotations
@@ -208,6 +210,7 @@ class TrafficTap:
             self.storage.delete(r["name"] + ".json")
             self.stats.deleted_shards += 1
         self._write_manifest()
+        self.stats.deleted_shards += _delete_expired_writers(self.storage, self.cfg.max_age_hours, now, self.writer)
 
     def _manifest_name(self) -> str:
         return f"{self.writer}/{MANIFEST}"
@@ -242,6 +245,26 @@ def traffic_shards(storage: Storage) -> list[dict]:
         if name.endswith(f"/{MANIFEST}"):
             records += json.loads(storage.read_bytes(name))["shards"]
     return sorted(records, key=lambda r: r["written_at"])
+
+
+def _delete_expired_writers(storage: Storage, max_age_hours: float, now: float, live: str) -> int:
+    """Delete the folders of writers other than `live` whose every shard is older than `max_age_hours` (a replaced
+    replica's: nobody else would age them out). Returns the shards deleted."""
+    deleted = 0
+    for name in storage.names():
+        if not name.endswith(f"/{MANIFEST}") or name == f"{live}/{MANIFEST}":
+            continue
+        try:
+            shards = json.loads(storage.read_bytes(name))["shards"]
+        except Exception:  # noqa: BLE001 (being rewritten, or unreadable: left to `aerie traffic delete`)
+            continue
+        if all(now - r["written_at"] > max_age_hours * 3600 for r in shards):
+            for r in shards:
+                storage.delete(r["name"])
+                storage.delete(r["name"] + ".json")
+            storage.delete(name)
+            deleted += len(shards)
+    return deleted
 
 
 def delete_traffic(storage: Storage, older_than_hours: float | None = None, now: float | None = None) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from orchestrator.data.traffic import Captured, TapConfig, TrafficTap
 from orchestrator.errors import AerieError
+from orchestrator.models.device import DTYPES
 from orchestrator.models.target import TargetModel, config_sha256
 from orchestrator.runtime.messages import (
     DraftOutput,
@@ -92,11 +93,13 @@ class TargetWorker:
         dtype: str = "auto",
         max_model_len: int | None = None,
         tap: TapConfig | None = None,
+        tap_writer: str | None = None,
     ) -> None:
         """model: a loaded TargetModel (in-process) or its directory (a Ray actor loads it on its node, onto
         `device` in `dtype`: auto = its GPU in bfloat16 when it has one). max_model_len: tokens per request
         (prompt + output) the KV caches are sized for (default: the model's context). tap: the traffic tap's
-        config (enabled): a sampled share of the finished requests it is allowed to capture is written there."""
+        config (enabled): a sampled share of the finished requests it is allowed to capture is written there, in the
+        folder `tap_writer` (default: host-pid; a restarted actor passes its name to keep its folder and budget)."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         model_dir = Path(model) if isinstance(model, str | Path) else None
@@ -111,10 +114,10 @@ class TargetWorker:
         self.eos_ids = frozenset(eos_token_ids)
         self.verifier = verifier or Verifier()
         self.seqs: dict[str, _Seq] = {}
-        self.tap = self._start_tap(tap, model_dir) if tap is not None and tap.enabled else None
+        self.tap = self._start_tap(tap, model_dir, tap_writer) if tap is not None and tap.enabled else None
         self._sampler = random.Random(0)
 
-    def _start_tap(self, cfg: TapConfig, model_dir: Path | None) -> TrafficTap:
+    def _start_tap(self, cfg: TapConfig, model_dir: Path | None, writer: str | None) -> TrafficTap:
         """The tap, its manifest naming the target as a collection's does (training checks it against its own)."""
         model = self.model
         meta = {
@@ -125,7 +128,7 @@ class TargetWorker:
             "vocab_size": model.vocab_size,
             "aux_layer_ids": list(model.aux_layer_ids),
         }
-        return TrafficTap(cfg, meta, writer=f"{socket.gethostname()}-{os.getpid()}")
+        return TrafficTap(cfg, meta, writer=writer or f"{socket.gethostname()}-{os.getpid()}")
 
     def ready(self) -> dict:
         return _identity() | {
@@ -191,7 +194,7 @@ class TargetWorker:
                 try:
                     token = self.verifier.verify(DraftTree.empty(), out.logits[row : row + 1], q.params, q.generator, 0)
                     pair = Pair(torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.to("cpu", copy=True))
-                    final = out.final_hidden[rows].to("cpu", copy=True) if q.final is not None else None  # [n, H]
+                    final = self._kept(out.final_hidden[rows]) if q.final is not None else None  # [n, H]
                     updates.append(self._emit(s.request_id, q, [token.next_token], pair, parts, final))
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
                     updates.append(self._fail(s.request_id, err))
@@ -235,7 +238,7 @@ class TargetWorker:
                     pair = Pair(torch.tensor(emitted), aux.to("cpu", copy=True))  # what the draft side is sent
                     final = None
                     if q.final is not None:  # [a + 1, hidden] for the tap
-                        final = out.final_hidden[rows][kept.to(out.final_hidden.device)].to("cpu", copy=True)
+                        final = self._kept(out.final_hidden[rows][kept.to(out.final_hidden.device)])
                     update = self._emit(rid, q, emitted, pair, parts, final)
                     update.drafted, update.accepted = tree.size, len(verdict.accepted)
                 except Exception as err:  # noqa: BLE001 (this request fails, the others go on)
@@ -286,6 +289,11 @@ class TargetWorker:
                 self._offer(q, pair, final, len(out))
             self.release([rid])
         return SeqUpdate(rid, out, reason)
+
+    def _kept(self, final: torch.Tensor) -> torch.Tensor:
+        """Final hidden states kept for the tap: on the CPU, already in the shards' dtype (bf16: 1/6 of what the
+        request's aux history holds)."""
+        return final.to("cpu", DTYPES[self.tap.cfg.dtype], copy=True)
 
     def _offer(self, q: _Seq, last: Pair, final: torch.Tensor, emitted: int) -> None:
         """A finished request to the tap: positions 0..T-1 of prompt + answer, T = prompt + answer - 1 (the

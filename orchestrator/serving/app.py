@@ -128,6 +128,7 @@ class _Workers:
                 dtype=cfg.dtype,
                 max_model_len=cfg.max_model_len,
                 tap=cfg.tap if cfg.tap.enabled else None,
+                tap_writer=self.names["target"],
             )
         )
         self.draft = None

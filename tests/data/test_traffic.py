@@ -125,6 +125,23 @@ def test_retention_keeps_the_byte_budget_and_the_maximum_age_across_restarts(tmp
     assert [r["written_at"] for r in traffic_shards(storage)] == [clock.t]
 
 
+def test_a_gone_writers_folder_is_deleted_once_all_of_it_is_past_the_maximum_age(tmp_path):
+    clock = Clock()
+    storage = LocalStorage(tmp_path / "traffic")
+    for writer in ("replaced", "idle-but-fresh"):  # two other replicas' folders, written at 1 h and 3 h
+        other = TrafficTap(_tap(tmp_path).cfg.model_copy(update={"shard_tokens": 6}), META, writer, storage, clock)
+        other.offer(captured_request(0))
+        other.close()
+        clock.t += 2 * 3600
+    live = _tap(tmp_path, storage, clock=clock, shard_tokens=6, max_age_hours=3)  # "replaced" is 4 h old now
+    live.offer(captured_request(1))
+    live.close()
+    writers = sorted({r["writer"] for r in traffic_shards(storage)})
+    assert writers == ["idle-but-fresh", "replica-a"]
+    assert not any(n.startswith("replaced/") for n in storage.names())  # shards, records and manifest
+    assert live.stats.deleted_shards == 1
+
+
 def test_delete_traffic_by_age_or_all_and_a_live_tap_does_not_bring_deleted_shards_back(tmp_path):
     clock = Clock()
     storage = LocalStorage(tmp_path / "traffic")
