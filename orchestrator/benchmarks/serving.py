@@ -11,6 +11,7 @@ ITL = gaps between streamed chunks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import statistics
@@ -58,6 +59,11 @@ class BenchmarkServingConfig(StrictModel):
     num_prompts: int = Field(16, ge=1, description="prompts cycled over")
     in_process: bool = Field(True, description="also time the in-process SpecEngine at concurrency 1")
     trace_concurrency: int | None = Field(4, description="write the round timeline of this level (spec mode)")
+    spans: bool = Field(
+        False,
+        description="keep every level's worker calls, both modes, in spans_MODE_cN.json (with the level's counters and "
+        "prompt lengths): what `jobs.plan` fits the simulator's cost model to",
+    )
     port: int = Field(8000, description="Serve HTTP port on 127.0.0.1")
     address: str | None = Field(None, description="Ray cluster (default: RAY_ADDRESS, else a local Ray)")
     output_dir: str = Field(description="where result.json and the timeline go")
@@ -83,7 +89,7 @@ async def stream_request(client, url: str, model: str, prompt: dict, max_tokens:
         "stream_options": {"include_usage": True},
     }
     sent = time.perf_counter()
-    stamps, tokens, error = [], 0, None
+    stamps, tokens, prompt_tokens, error = [], 0, 0, None
     endpoint = "chat/completions" if chat else "completions"
     async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as r:
         if r.status_code != 200:
@@ -96,7 +102,7 @@ async def stream_request(client, url: str, model: str, prompt: dict, max_tokens:
                 error = event["error"]["message"]
                 break
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+                tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
             choice = (event.get("choices") or [{}])[0]
             if (choice.get("delta") or {}).get("content") or choice.get("text"):
                 stamps.append(time.perf_counter())
@@ -105,6 +111,7 @@ async def stream_request(client, url: str, model: str, prompt: dict, max_tokens:
     e2e, ttft = stamps[-1] - sent, stamps[0] - sent
     return {
         "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
         "e2e_s": e2e,
         "ttft_s": ttft,
         "tpot_s": (e2e - ttft) / max(1, tokens - 1),
@@ -148,6 +155,7 @@ def summarise_requests(runs: list[tuple[list[dict], float]], concurrency: int) -
         "errors": sorted({r["error"] for r in results if "error" in r})[:3],
         "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
         "per_request_tok_s": [None if "error" in r else r["tokens"] / r["e2e_s"] for r in results],
+        "prompt_tokens": [r.get("prompt_tokens") for r in ok],
         "total_tok_s": sum(r["tokens"] for r in ok) / sum(wall for _, wall in runs),
         "wall_s": sum(wall for _, wall in runs),
         "ttft_p50_s": _quantile([r["ttft_s"] for r in ok], 0.5),
@@ -446,14 +454,21 @@ class _Deployed:
         if self.vllm:
             time.sleep(2)  # Ray exports the engine's counters every second or so
             return vllm_delta(before, self.counters())
-        trace = self.mode == "spec" and c == self.cfg.trace_concurrency
+        timeline = self.mode == "spec" and c == self.cfg.trace_concurrency
+        trace = timeline or self.cfg.spans
         after = httpx.get(f"{self.url}/stats", params={"trace": trace}, headers=auth_headers(), timeout=60).json()
         out = scheduler_delta(before, after)
         self.raw_delta = {k: after[k] - before[k] for k in before if isinstance(before[k], (int, float)) and k in after}
-        if "trace" in after:
-            spans = [s for s in after["trace"] if s["ts"] >= began]
+        spans = [s for s in after.get("trace", []) if s["ts"] >= began]
+        if timeline:
             out["draft_busy_overlapped"] = busy_overlap(spans)
             result["files"] += [str(p) for p in write_trace(spans[-400:], out_dir, f"{self.mode}_c{c}")]
+        if self.cfg.spans:
+            acceptance = Acceptance.from_dict(after["acceptance"]) - Acceptance.from_dict(before["acceptance"])
+            kept = {"totals": self.raw_delta, "acceptance": dataclasses.asdict(acceptance), "spans": spans}
+            path = out_dir / f"spans_{self.key}_c{c}.json"
+            path.write_text(json.dumps(kept))
+            result["files"].append(str(path))
         return out
 
 

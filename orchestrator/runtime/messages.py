@@ -147,3 +147,4 @@ class DraftOutput(Message):
     retired: list[str]  # requests past the drafter's context: never drafted again
     free_slots: int
     trees_bytes: int  # the trees returned with it (they go to the target worker)
+    ingested: int = 0  # target states (pairs) the drafter took in before drafting

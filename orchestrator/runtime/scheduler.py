@@ -88,7 +88,7 @@ class Request:
     draft_pairs: int = 0  # pairs the drafter holds (as it last said)
     draftable: bool = True  # False once past the drafter's context
     ended: bool = False
-    submitted: float = field(default_factory=time.perf_counter)
+    submitted: float = 0.0  # the scheduler's clock at submit
     last_token: float | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
     capture: bool = False  # the traffic tap may keep it
@@ -157,13 +157,14 @@ class SpecScheduler:
         cfg: SchedulerConfig,
         max_nodes: int,
         metrics=None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.perf_counter,
         watchdog_s: float | None = 0.5,
         poll_s: float = 0.5,
         trace_size: int = 4000,
     ) -> None:
         """target, draft: worker clients (`LocalWorker` / `RemoteWorker`; draft None: target-only);
-        max_nodes: most draft nodes one request verifies per round (the tree's budget); clock: deadlines;
+        max_nodes: most draft nodes one request verifies per round (the tree's budget); clock: every time the
+        scheduler reads (deadlines, latencies, the mode chooser's rates: a simulation passes its virtual clock);
         watchdog_s: how often deadlines are checked besides every round (None: rounds only); poll_s: how
         often a restarting worker is asked whether it answers."""
         self.target, self.draft, self.cfg = target, draft, cfg
@@ -206,7 +207,8 @@ class SpecScheduler:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, capture: bool = False) -> Request:
         """Queue a request; `capture`: the target worker's traffic tap may keep it (the server checked consent)."""
-        r = Request(f"r{next(self._ids)}", list(prompt_ids), params, self.clock() + self.cfg.request_timeout_s)
+        now = self.clock()
+        r = Request(f"r{next(self._ids)}", list(prompt_ids), params, now + self.cfg.request_timeout_s, submitted=now)
         r.capture = capture
         self.requests[r.id] = r
         self.waiting.append(r)
@@ -296,7 +298,7 @@ class SpecScheduler:
     async def _round(self, g: int) -> None:
         group = self.groups[g]
         ids = list(group.requests)
-        round_began = time.perf_counter()
+        round_began = self.clock()
         drafted, predicted = None, 0.0
         draftable = any(r.draftable for r in group.requests.values())
         want = not self.cfg.adaptive or group.modes.choose(len(ids))
@@ -320,14 +322,14 @@ class SpecScheduler:
             overhead = 0.0 if len(self.groups) > 1 else self._draft_ema  # pipelined: drafting is hidden
             chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead)
             keep.update(zip(have, chosen, strict=True))
-        began = time.perf_counter()
+        began = self.clock()
         self.meter.transfer("draft_to_target", drafted.trees_bytes if drafted is not None else 0)
         try:
             out, pairs = await self.target.call("verify", keep, drafted.trees if drafted else None, returns=2)
         except (WorkerLost, WorkerFailed) as err:
             await self._target_failed([group.requests[rid] for rid in ids if rid in group.requests], err)
             return
-        latency = time.perf_counter() - began
+        latency = self.clock() - began
         self._span("verify", "target", g, out.started, out.compute_s, len(ids), out.verified_tokens)
         self._stash(group, pairs)
         accepted = sum(u.accepted for u in out.updates)
@@ -336,7 +338,7 @@ class SpecScheduler:
         if self.cfg.adaptive:
             emitted = sum(len(u.tokens) for u in out.updates)
             catch_up = with_draft and not group.drafted_last
-            group.modes.observe(with_draft, len(ids), emitted, time.perf_counter() - round_began, catch_up=catch_up)
+            group.modes.observe(with_draft, len(ids), emitted, self.clock() - round_began, catch_up=catch_up)
         group.drafted_last = with_draft
         self._account(out, latency)
         self._deliver(out)
@@ -358,7 +360,7 @@ class SpecScheduler:
         rs = [r for r in group.requests.values() if r.draftable]  # after the await: without those that ended
         reset = [r.id for r in rs] if sync is Sync.RESET else []
         requests = [(r.id, r.params, self._node_cap(r)) for r in rs]
-        began = time.perf_counter()
+        began = self.clock()
         try:
             out, trees_ref = await self.draft.call("propose", requests, pairs, reset, returns=2)
         except WorkerLost as err:
@@ -370,7 +372,7 @@ class SpecScheduler:
             self.draft.cast("release", [r.id for r in rs])
             group.to(Sync.RESET)
             return None
-        latency = time.perf_counter() - began
+        latency = self.clock() - began
         group.to(Sync.IN_SYNC)
         if self.draft_incarnation not in (None, out.incarnation):  # restarted between calls: its drafts are
             self._draft_restarted()  # still valid (verification is exact) but its caches miss history
@@ -385,7 +387,7 @@ class SpecScheduler:
         self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
         self.meter.draft_call(latency, out.compute_s)
         self.meter.transfer("target_to_draft", out.pairs_bytes)
-        self._span("draft", "draft", g, out.started, out.compute_s, len(rs), 0)
+        self._span("draft", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
         sketches = {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}
         return Drafted(sketches, trees_ref, out.trees_bytes)
 
@@ -402,7 +404,7 @@ class SpecScheduler:
 
     def _deliver(self, out: RoundOutput) -> None:
         self.free_slots["target"] = out.free_slots
-        now = time.perf_counter()
+        now = self.clock()
         for u in out.updates:
             r = self.requests.get(u.request_id)
             if r is None:  # ended while the call ran (its release followed the call)
@@ -516,8 +518,20 @@ class SpecScheduler:
     # -- observability ---------------------------------------------------------------------------------------
 
     def _span(self, name: str, worker: str, g: int, started: float, dur: float, batch: int, tokens: int) -> None:
+        """One worker call on the timeline: `tokens` it computed (verified, prefilled, or states the drafter took
+        in), `context` the group's tokens in the KV cache (what `sim.costs.fit_step_cost` fits step times to)."""
+        context = sum(len(r.prompt_ids) + r.emitted for r in self.groups[g].requests.values())
         self.trace.append(
-            {"name": name, "worker": worker, "group": g, "ts": started, "dur": dur, "batch": batch, "tokens": tokens}
+            {
+                "name": name,
+                "worker": worker,
+                "group": g,
+                "ts": started,
+                "dur": dur,
+                "batch": batch,
+                "tokens": tokens,
+                "context": context,
+            }
         )
 
     def _gauges(self) -> None:

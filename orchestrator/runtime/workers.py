@@ -445,6 +445,7 @@ class DraftWorker:
             retired=retired,
             free_slots=self.free_slots,
             trees_bytes=payload_nbytes(trees),
+            ingested=sum(i.tokens.numel() for i in items),
         )
         return out, trees
 
