@@ -2,8 +2,9 @@
 
 A forward over `tokens` new tokens of `seqs` sequences that attend to `context` cached tokens in all takes
 
-    fixed_s + tree_s [a tree mask]  +  weights_s + per_context_s * context   (reading: weights, KV cache)
-                                    +  per_token_s * tokens                  (compute)
+    fixed_s + tree_s [a tree mask]  +  weights_s + per_context_s * context   (reading: weights, KV cache,
+                                       + expert_s * E (1 - (1 - k/E)^tokens)    and the MoE experts touched)
+                                    +  per_token_s * tokens                     (compute)
 
 with the reading and the compute summed (a CPU: `roofline: false`) or overlapped, the larger one counting
 (a GPU's roofline: a decode step reads the weights, a long prefill is compute-bound). `fit_step_cost` fits the
@@ -34,10 +35,19 @@ class StepCost(StrictModel):
     weights_s: float = Field(0.0, ge=0, description="reading the weights once per forward")
     per_token_s: float = Field(0.0, ge=0, description="compute per new token")
     per_context_s: float = Field(0.0, ge=0, description="reading one cached token (KV) of one sequence")
+    experts: int = Field(0, ge=0, description="MoE: routed experts per layer (0: a dense model)")
+    experts_per_token: int = Field(0, ge=0, description="MoE: experts each token is routed to")
+    expert_s: float = Field(0.0, ge=0, description="MoE: reading one routed expert of every layer")
     roofline: bool = Field(False, description="reading and compute overlap (a GPU): the larger counts")
 
+    def experts_read(self, tokens: int) -> float:
+        """Expected distinct experts `tokens` tokens touch per layer: E (1 - (1 - k/E)^tokens)."""
+        if not self.experts or tokens <= 0:
+            return 0.0
+        return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
+
     def seconds(self, tokens: int, context: int = 0, tree: bool = False) -> float:
-        memory = self.weights_s + self.per_context_s * context
+        memory = self.weights_s + self.per_context_s * context + self.expert_s * self.experts_read(tokens)
         compute = self.per_token_s * tokens
         body = max(memory, compute) if self.roofline else memory + compute
         return self.fixed_s + (self.tree_s if tree else 0.0) + body

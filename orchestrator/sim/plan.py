@@ -3,17 +3,33 @@
 Calibration (`calibration.benchmark`): fit the cost model to a serving benchmark's worker calls and predict every
 level of that benchmark (sim/calibrate.py). The table it writes is the check that the simulator can be trusted
 here: per-user tokens/s within 15%, speed-ups within 10%.
+
+GPU setups (`gpu`, `target`, `drafter`, `setups`): each setup simulated at each concurrency with roofline costs
+(sim/roofline.py), the project's scheduler deciding as it would there:
+
+    target-only      speculation off
+    colocated        drafter and target on the same GPUs, a fixed chain every round (vLLM's EAGLE)
+    disaggregated    the drafter on a GPU of its own, reached over NVLink (or InfiniBand), pipelined micro-batches
+
+With an `slo` (a request rate and a time per output token), the GPUs each setup needs to meet it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
+from orchestrator.runtime.scheduler import SchedulerConfig
+from orchestrator.sim.costs import AcceptanceProfile, CostModel
+from orchestrator.sim.roofline import Accelerator, ModelShape, Network, Placement, roofline_cost
+from orchestrator.spec.proposer import SpecConfig
 
 
 class CalibrationConfig(StrictModel):
@@ -21,17 +37,282 @@ class CalibrationConfig(StrictModel):
     models_dir: str = Field("models", description="where the benchmark's packaged target was prepared")
 
 
+class Setup(StrictModel):
+    """One way to serve the target."""
+
+    name: str
+    kind: Literal["target-only", "colocated", "disaggregated"]
+    spec: SpecConfig = Field(default_factory=SpecConfig, description="the drafts (chain or tree)")
+    scheduler: dict = Field({}, description="SchedulerConfig fields beside the plan's (budget_tokens, adaptive, ...)")
+    link: Literal["nvlink", "infiniband"] = Field("nvlink", description="disaggregated: how the drafter is reached")
+    call_s: float = Field(0.0, ge=0, description="per worker call beside the compute (the serving stack's, e.g. Ray)")
+
+
+class Slo(StrictModel):
+    rate_per_s: float = Field(gt=0, description="requests per second to serve")
+    tpot_ms: float = Field(gt=0, description="mean time per output token a request may see")
+    ttft_p90_s: float = Field(2.0, gt=0, description="time to first token of 9 in 10 requests (no queue building up)")
+    requests: int = Field(400, ge=20, description="requests per simulated rate")
+    steps: int = Field(6, ge=1, le=20, description="bisection steps after the rate is bracketed")
+
+
 class PlanConfig(StrictModel):
-    """`python -m jobs.plan` settings."""
+    """`python -m jobs.plan` settings: `calibration`, or a GPU plan (gpu, network, target, drafter, setups)."""
 
     calibration: CalibrationConfig | None = Field(None, description="fit and check the simulator on this machine")
+    gpu: Accelerator | None = None
+    network: Network | None = None
+    target: ModelShape | None = None
+    target_placement: Placement = Field(default_factory=Placement)
+    drafter: ModelShape | None = None
+    acceptance: AcceptanceProfile | None = None
+    acceptance_source: str = Field("", description="where the acceptance profile comes from")
+    setups: list[Setup] = Field([], description="ways to serve, each simulated at every concurrency")
+    users: list[int] = Field([1, 4, 16, 64], min_length=1)
+    max_batch: int = Field(64, ge=1)
+    requests_per_user: int = Field(4, ge=1, description="requests per level = users x this (at least 32)")
+    prompt_tokens: list[int] = Field([1024], min_length=1)
+    max_tokens: int = Field(256, ge=1)
+    published: dict[str, dict[int, float]] = Field(
+        {}, description="published speed-ups to show beside the simulated ones: {label: {users: x}}"
+    )
+    published_tok_s: dict[str, dict[int, float]] = Field(
+        {}, description="published per-user tok/s of a setup, by its name: shown beside the simulated ones"
+    )
+    slo: Slo | None = None
+    mlflow_experiment: str = Field("aerie-plan", description="MLflow experiment of the plan's run")
     output_dir: str = Field("runs/plan", description="result.json, table and plot")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hardware_file(cls, data):
+        """`hardware: FILE` (a YAML with `gpu` and `network`) fills both, so plans share one set of constants."""
+        if isinstance(data, dict) and isinstance(data.get("hardware"), str):
+            import yaml
+
+            path = Path(data["hardware"])
+            if not path.is_file():
+                raise ValueError(f"hardware file {str(path)!r} does not exist")
+            hardware = yaml.safe_load(path.read_text()) or {}
+            data = {k: v for k, v in data.items() if k != "hardware"}
+            data = {"gpu": hardware.get("gpu"), "network": hardware.get("network")} | data
+        return data
+
+    @model_validator(mode="after")
+    def _complete(self) -> PlanConfig:
+        gpu_plan = [self.gpu, self.network, self.target, self.acceptance]
+        if self.setups and any(x is None for x in gpu_plan):
+            raise ValueError("a GPU plan (setups) needs gpu, network, target and acceptance")
+        if any(s.kind != "target-only" for s in self.setups) and self.drafter is None:
+            raise ValueError("setups that speculate need the drafter's shape (drafter)")
+        return self
 
 
 def run_plan(cfg: PlanConfig, out: Path) -> dict:
-    if cfg.calibration is None:
-        raise AerieError("jobs.plan has nothing to do: set calibration.benchmark (or setups)")
-    return calibrate_on_benchmark(cfg.calibration, out)
+    if cfg.calibration is None and not cfg.setups:
+        raise AerieError("jobs.plan has nothing to do: set calibration.benchmark, or a GPU plan's setups")
+    result: dict = {"table": ""}
+    if cfg.calibration is not None:
+        result["calibration"] = calibrate_on_benchmark(cfg.calibration, out)
+        result["table"] = result["calibration"]["table"]
+    if cfg.setups:
+        result["plan"] = gpu_plan(cfg, out)
+        result["table"] = (result["table"] + "\n\n" + result["plan"]["table"]).strip()
+    return result
+
+
+def costs_of(cfg: PlanConfig, setup: Setup) -> CostModel:
+    """The roofline costs of a setup: the target on its placement; the drafter on the target's GPUs
+    (colocated) or on a GPU of its own behind the setup's link."""
+    target = roofline_cost(cfg.target, cfg.gpu, cfg.target_placement)
+    drafter = cfg.drafter or cfg.target
+    colocated = setup.kind == "colocated"
+    draft = roofline_cost(drafter, cfg.gpu, cfg.target_placement if colocated else Placement())
+    return CostModel(
+        target=target,
+        draft=draft,
+        link=getattr(cfg.network, setup.link),
+        call_s=setup.call_s,
+        colocated=colocated,
+        aux_bytes_per_token=3 * cfg.target.hidden_size * 2 + 8,  # 3 aux hidden states in bf16, the token id
+    )
+
+
+def _sim_config(cfg: PlanConfig, setup: Setup, workload: dict):
+    from orchestrator.sim.run import SimConfig
+
+    defaults = {"max_batch": cfg.max_batch, "request_timeout_s": 1e6}
+    if setup.kind == "colocated":  # vLLM's EAGLE: every round drafts its chain, one batch
+        defaults |= {"adaptive": False, "micro_batches": 1}
+    if setup.kind == "target-only":  # nothing to overlap: one batch (two would read the weights twice a step)
+        defaults |= {"micro_batches": 1}
+    scheduler = SchedulerConfig.model_validate(defaults | setup.scheduler)
+    return SimConfig(
+        scheduler=scheduler,
+        spec=setup.spec,
+        speculation=setup.kind != "target-only",
+        costs=costs_of(cfg, setup),
+        acceptance=cfg.acceptance,
+        workload=workload,
+        mode="colocated" if setup.kind == "colocated" else "disaggregated",
+    )
+
+
+def gpus_of(cfg: PlanConfig, setup: Setup) -> int:
+    return cfg.target_placement.gpus + (1 if setup.kind == "disaggregated" else 0)
+
+
+def gpu_plan(cfg: PlanConfig, out: Path) -> dict:
+    """Every setup at every concurrency; speed-ups over target-only; GPUs for the SLO; table, plot, MLflow."""
+    from orchestrator.sim.run import simulate
+
+    rows = []
+    for setup in cfg.setups:
+        for users in cfg.users:
+            workload = {
+                "users": users,
+                "requests": max(32, users * cfg.requests_per_user),
+                "prompt_tokens": cfg.prompt_tokens,
+                "max_tokens": cfg.max_tokens,
+            }
+            r = simulate(_sim_config(cfg, setup, workload))
+            rows.append({"setup": setup.name, "kind": setup.kind, "users": users, **r})
+    base = {r["users"]: r["per_user_tok_s"] for r in rows if r["kind"] == "target-only"}
+    for r in rows:
+        r["speedup"] = r["per_user_tok_s"] / base[r["users"]] if r["users"] in base else None
+    slo = [_gpus_for_slo(cfg, s) for s in cfg.setups] if cfg.slo else []
+    table = _plan_table(cfg, rows, slo)
+    (out / "plan.md").write_text(table + "\n")
+    plot = _plan_plot(cfg, rows, out / "plan.png")
+    run_id = _log_plan(cfg, rows, slo, [out / "plan.md", plot])
+    return {
+        "levels": rows,
+        "slo": slo,
+        "table": table,
+        "files": [str(out / "plan.md"), str(plot)],
+        "mlflow_run_id": run_id,
+    }
+
+
+def _gpus_for_slo(cfg: PlanConfig, setup: Setup) -> dict:
+    """The highest Poisson rate one replica serves within the TPOT objective (bisection), and the GPUs the SLO's
+    rate then needs."""
+    from orchestrator.sim.run import simulate
+
+    def meets(rate: float) -> bool:
+        workload = {
+            "rate_per_s": rate,
+            "requests": cfg.slo.requests,
+            "prompt_tokens": cfg.prompt_tokens,
+            "max_tokens": cfg.max_tokens,
+        }
+        r = simulate(_sim_config(cfg, setup, workload))
+        if r["failed"] or r["tpot_mean_s"] is None:
+            return False
+        return 1e3 * r["tpot_mean_s"] <= cfg.slo.tpot_ms and r["ttft_p90_s"] <= cfg.slo.ttft_p90_s
+
+    low, high = 1.0, 2.0  # bracket: low meets the SLO, high does not
+    if meets(low):
+        while meets(high):
+            if high >= 1e5:
+                break
+            low, high = high, 2 * high
+    else:
+        for _ in range(12):
+            low, high = low / 2, low
+            if meets(low):
+                break
+        else:
+            return {"setup": setup.name, "rate_per_replica": 0.0, "replicas": None, "gpus": None}
+    for _ in range(cfg.slo.steps):
+        mid = (low + high) / 2
+        low, high = (mid, high) if meets(mid) else (low, mid)
+    replicas = math.ceil(cfg.slo.rate_per_s / low) if low > 0 else None
+    gpus = replicas * gpus_of(cfg, setup) if replicas else None
+    return {"setup": setup.name, "rate_per_replica": low, "replicas": replicas, "gpus": gpus}
+
+
+def _plan_table(cfg: PlanConfig, rows: list[dict], slo: list[dict]) -> str:
+    users = cfg.users
+    head = "| setup | GPUs | " + " | ".join(f"{u} users: tok/s per user (x)" for u in users) + " |"
+    lines = [f"{cfg.target.name} on {cfg.gpu.name}", "", head, "|---|---|" + "---|" * len(users)]
+    for setup in cfg.setups:
+        cells = []
+        for u in users:
+            r = next(r for r in rows if r["setup"] == setup.name and r["users"] == u)
+            x = f" ({r['speedup']:.2f}x)" if r["speedup"] is not None and setup.kind != "target-only" else ""
+            seen = cfg.published_tok_s.get(setup.name, {}).get(u)
+            cells.append(f"{r['per_user_tok_s']:.1f}{x}" + (f" [published {seen:g}]" if seen else ""))
+        lines.append(f"| {setup.name} | {gpus_of(cfg, setup)} | " + " | ".join(cells) + " |")
+    for label, by_users in cfg.published.items():
+        cells = [f"({by_users[u]:.2f}x)" if u in by_users else "" for u in users]
+        lines.append(f"| published: {label} | | " + " | ".join(cells) + " |")
+    if slo:
+        lines += [
+            "",
+            f"SLO: {cfg.slo.rate_per_s:g} requests/s, mean time per output token <= {cfg.slo.tpot_ms:g} ms, "
+            f"p90 time to first token <= {cfg.slo.ttft_p90_s:g} s",
+            "",
+            "| setup | requests/s per replica | replicas | GPUs |",
+            "|---|---|---|---|",
+        ]
+        for s in slo:
+            lines.append(f"| {s['setup']} | {s['rate_per_replica']:.2f} | {s.get('replicas')} | {s.get('gpus')} |")
+    return "\n".join(lines)
+
+
+def _plan_plot(cfg: PlanConfig, rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for setup in cfg.setups:
+        mine = sorted((r for r in rows if r["setup"] == setup.name), key=lambda r: r["users"])
+        ax.plot([r["users"] for r in mine], [r["per_user_tok_s"] for r in mine], marker="o", label=setup.name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("users")
+    ax.set_ylabel("tokens/s per user (simulated)")
+    ax.set_title(f"{cfg.target.name} on {cfg.gpu.name}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _slug(name: str) -> str:
+    """A setup's name as MLflow accepts it in a metric key."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+
+
+def _log_plan(cfg: PlanConfig, rows: list[dict], slo: list[dict], files: list[Path]) -> str:
+    """An MLflow run: the setup's identity as params, every level's per-user tok/s and speed-up as metrics."""
+    from orchestrator.tracking.store import client
+
+    mlflow = client()
+    exp = mlflow.get_experiment_by_name(cfg.mlflow_experiment)
+    exp_id = exp.experiment_id if exp else mlflow.create_experiment(cfg.mlflow_experiment)
+    run_id = mlflow.create_run(exp_id, run_name=f"plan-{cfg.target.name}-{cfg.gpu.name}").info.run_id
+    for key, value in {
+        "target": cfg.target.name,
+        "gpu": cfg.gpu.name,
+        "target_gpus": cfg.target_placement.gpus,
+    }.items():
+        mlflow.log_param(run_id, key, value)
+    for r in rows:
+        slug = f"{_slug(r['setup'])}.u{r['users']}"
+        mlflow.log_metric(run_id, f"{slug}.per_user_tok_s", r["per_user_tok_s"])
+        if r["speedup"] is not None:
+            mlflow.log_metric(run_id, f"{slug}.speedup", r["speedup"])
+    for s in slo:
+        if s.get("gpus"):
+            mlflow.log_metric(run_id, f"{_slug(s['setup'])}.slo_gpus", s["gpus"])
+    for f in files:
+        mlflow.log_artifact(run_id, str(f))
+    mlflow.set_terminated(run_id, status="FINISHED")
+    return run_id
 
 
 def calibrate_on_benchmark(cfg: CalibrationConfig, out: Path) -> dict:

@@ -155,6 +155,7 @@ def _summary(records, scheduler: SpecScheduler, sim_s: float, wall_s: float, tar
     ok = [r for r in records if r["error"] is None and r["stamps"]]
     per_request = [r["tokens"] / (r["stamps"][-1] - r["sent"]) for r in ok]
     ttft = sorted(r["stamps"][0] - r["sent"] for r in ok)
+    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     totals = scheduler.meter.totals
     return {
         "requests": len(records),
@@ -162,6 +163,8 @@ def _summary(records, scheduler: SpecScheduler, sim_s: float, wall_s: float, tar
         "per_user_tok_s": statistics.mean(per_request) if per_request else 0.0,
         "total_tok_s": sum(r["tokens"] for r in ok) / sim_s if sim_s else 0.0,
         "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
+        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
+        "tpot_mean_s": statistics.mean(tpot) if tpot else None,
         "tau": scheduler.meter.acceptance.acceptance_length,
         "drafted_share": totals["spec_rounds"] / max(1, totals["rounds"]),
         "rounds": int(totals["rounds"]),

@@ -251,6 +251,10 @@ class SimDraft(SimWorker):
         super().__init__(clock, costs, device)
         self.depth, self.topk, budget = shape
         self.template, self.scores = tree_template(self.depth, self.topk, budget, profile)
+        self._sketches = [  # the sketch of the template's first n nodes, for every n
+            TreeSketch(torch.tensor(self.template.parents[:n]), torch.tensor(self.scores[:n]))
+            for n in range(self.template.size + 1)
+        ]
         self.max_requests = max_requests
         self.seen: dict[str, int] = {}
 
@@ -289,7 +293,7 @@ class SimDraft(SimWorker):
                 continue
             t = self.template
             trees[rid] = SimTree(t.parents[:n], t.depths[:n], t.ranks[:n])
-            sketches[rid] = TreeSketch(torch.tensor(t.parents[:n]), torch.tensor(self.scores[:n]))
+            sketches[rid] = self._sketches[n]
         out = DraftOutput(
             sketches=sketches,
             compute_s=cost,
