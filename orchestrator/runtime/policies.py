@@ -167,13 +167,22 @@ class ModeChooser:
     and never restarted: with a short memory, a dip of acceptance switches drafting off and the next short probe,
     landing on a hard stretch as often as not, keeps it off (tests/runtime/test_policies.py). A drafted round
     that follows target-only ones is not measured (`catch_up`): the drafter first commits every state it
-    skipped, a cost of the stretch before it, not of drafting."""
+    skipped, a cost of the stretch before it, not of drafting.
+
+    Probing is paid for from a budget. Each probe round adds the time it lost against the better mode to a debt:
+    its seconds minus what its tokens would have taken at the better mode's rate, a catch-up round included.
+    Every other round pays back `probe_overhead` of its seconds, and a probe starts only without debt. So a
+    losing mode costs about `probe_overhead` of the time however badly it loses, and a mode that loses by
+    little is probed as often as the backoff allows. Without the budget, a drafter that does not pay cost 5-11%
+    on this CPU: a probe and its catch-up each cost about two rounds, at rounds 16, 32, 64 and so on."""
 
     probe_every: int = 16
     probe_rounds: int = 6
     smoothing: float = 0.1
     yield_smoothing: float = 1 / 64
     max_backoff: int = 16
+    probe_overhead: float = 0.02
+    debt: float = 0.0  # seconds probes lost that later rounds have not yet paid back (see the docstring)
     measured: dict[tuple[bool, int], Measured] = field(default_factory=dict)  # (drafted, bucket) -> its rounds
     backoff: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
     probe: Probe | None = None  # the current probe, or the last one until it is judged
@@ -195,12 +204,31 @@ class ModeChooser:
                 won = (self.rate(True, b) >= self.rate(False, b)) == mode
                 self.backoff[b] = 1 if won else min(self.max_backoff, 2 * self.backoff.get(b, 1))
                 self.probe = None
-            if self.rounds % (self.probe_every * self.backoff.get(bucket, 1)):
+            if self.rounds % (self.probe_every * self.backoff.get(bucket, 1)) or self.debt > 0:
                 return best
             self.probe = Probe(mode=not best, bucket=bucket, left=rounds)
         self.probe.left -= 1
         self.probing = True
         return self.probe.mode
+
+    def _account(self, bucket: int, per_request: float, seconds: float) -> None:
+        """The probing budget: a probe round's loss against the better mode goes into the debt, any other round
+        pays back `probe_overhead` of its time."""
+        if not self.probing:
+            self.debt = max(0.0, self.debt - self.probe_overhead * seconds)
+            return
+        if (True, bucket) not in self.measured or (False, bucket) not in self.measured:
+            return  # the bucket's first measurements: charged once both modes have theirs (`_charge_start`)
+        best = max(self.rate(True, bucket), self.rate(False, bucket))  # tokens per request and second
+        self.debt += max(0.0, seconds - per_request / best)
+
+    def _charge_start(self, bucket: int) -> None:
+        """Both modes of a bucket are measured for the first time: the rounds spent on the losing one go into the
+        debt like a probe's (so the first probe waits until they are paid back)."""
+        drafted, plain = self.measured[(True, bucket)], self.measured[(False, bucket)]
+        best = max(self.rate(True, bucket), self.rate(False, bucket))
+        loser = drafted if self.rate(True, bucket) < best else plain
+        self.debt += loser.rounds * max(0.0, loser.seconds - loser.tokens / best)
 
     def rate(self, drafted: bool, bucket: int) -> float:
         """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""
@@ -212,11 +240,12 @@ class ModeChooser:
         return m.rounds if m is not None else 0
 
     def observe(self, drafted: bool, n: int, tokens: int, seconds: float, catch_up: bool = False) -> None:
+        per_request = tokens / max(1, n)  # comparable across the batch sizes of one bucket
+        self._account(n.bit_length(), per_request, seconds)
         if catch_up:  # measure the round after it instead (a catch-up round is drafted: a probe of drafting)
             if self.probing:
                 self.probe.left += 1
             return
-        per_request = tokens / max(1, n)  # comparable across the batch sizes of one bucket
         m = self.measured.setdefault((drafted, n.bit_length()), Measured(per_request, seconds))
         if self.rounds - m.last > self.probe_every:
             m.streak = 0  # stale: start afresh
@@ -225,3 +254,6 @@ class ModeChooser:
         m.tokens = (1 - y) * m.tokens + y * per_request
         m.seconds = (1 - a) * m.seconds + a * seconds
         m.rounds, m.streak, m.last = m.rounds + 1, m.streak + 1, self.rounds
+        other = self.measured.get((not drafted, m_bucket := n.bit_length()))
+        if m.rounds == 1 and other is not None:
+            self._charge_start(m_bucket)

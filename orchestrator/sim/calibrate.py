@@ -85,7 +85,7 @@ def measured_profile(levels: dict[tuple[str, int], dict]) -> AcceptanceProfile:
     return AcceptanceProfile.from_rates(rates or [0.0], sibling=0.0)
 
 
-def predict(levels: dict, max_tokens: int, app_args: dict, costs: CostModel, profile: AcceptanceProfile) -> list[dict]:
+def predict(levels: dict, bench: dict, app_args: dict, costs: CostModel, profile: AcceptanceProfile) -> list[dict]:
     """Each level of the benchmark simulated as it ran, beside its measurement."""
     rows = []
     for (mode, users), level in sorted(levels.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -101,7 +101,8 @@ def predict(levels: dict, max_tokens: int, app_args: dict, costs: CostModel, pro
                 "users": users,
                 "requests": measured["requests"],
                 "prompt_tokens": prompts,
-                "max_tokens": max_tokens,
+                "max_tokens": bench["max_tokens"],
+                "warmup": users * bench.get("warmup_per_user", 0),
             },
         )
         got = simulate(sim)

@@ -42,8 +42,11 @@ class Setup(StrictModel):
 
     name: str
     kind: Literal["target-only", "colocated", "disaggregated"]
-    spec: SpecConfig = Field(default_factory=SpecConfig, description="the drafts (chain or tree)")
-    scheduler: dict = Field({}, description="SchedulerConfig fields beside the plan's (budget_tokens, adaptive, ...)")
+    serve_config: str | None = Field(
+        None, description="take spec and scheduler from this Serve config's args (what `aerie serve` would run)"
+    )
+    spec: SpecConfig | None = Field(None, description="the drafts (chain or tree); default: serve_config's")
+    scheduler: dict = Field({}, description="SchedulerConfig fields over serve_config's (budget_tokens, ...)")
     link: Literal["nvlink", "infiniband"] = Field("nvlink", description="disaggregated: how the drafter is reached")
     call_s: float = Field(0.0, ge=0, description="per worker call beside the compute (the serving stack's, e.g. Ray)")
 
@@ -80,6 +83,11 @@ class PlanConfig(StrictModel):
         {}, description="published per-user tok/s of a setup, by its name: shown beside the simulated ones"
     )
     slo: Slo | None = None
+    sweep: bool = Field(
+        False,
+        description="against each adaptive disaggregated setup, fixed settings (speculation off, chains of 1-5, the "
+        "setup's tree whole every round) at every concurrency: where adaptive loses to the best by > 5%",
+    )
     mlflow_experiment: str = Field("aerie-plan", description="MLflow experiment of the plan's run")
     output_dir: str = Field("runs/plan", description="result.json, table and plot")
 
@@ -138,10 +146,21 @@ def costs_of(cfg: PlanConfig, setup: Setup) -> CostModel:
     )
 
 
+def _served(setup: Setup) -> tuple[dict, dict]:
+    """(spec, scheduler) of the setup's Serve config, or ({}, {})."""
+    if setup.serve_config is None:
+        return {}, {}
+    from orchestrator.serving.launch import read_serve_config
+
+    args = read_serve_config(setup.serve_config)[1]["args"]
+    return args.get("spec", {}), args.get("scheduler", {})
+
+
 def _sim_config(cfg: PlanConfig, setup: Setup, workload: dict):
     from orchestrator.sim.run import SimConfig
 
-    defaults = {"max_batch": cfg.max_batch, "request_timeout_s": 1e6}
+    served_spec, served_scheduler = _served(setup)
+    defaults = {"max_batch": cfg.max_batch, "request_timeout_s": 1e6} | served_scheduler
     if setup.kind == "colocated":  # vLLM's EAGLE: every round drafts its chain, one batch
         defaults |= {"adaptive": False, "micro_batches": 1}
     if setup.kind == "target-only":  # nothing to overlap: one batch (two would read the weights twice a step)
@@ -149,7 +168,7 @@ def _sim_config(cfg: PlanConfig, setup: Setup, workload: dict):
     scheduler = SchedulerConfig.model_validate(defaults | setup.scheduler)
     return SimConfig(
         scheduler=scheduler,
-        spec=setup.spec,
+        spec=setup.spec or SpecConfig.model_validate(served_spec),
         speculation=setup.kind != "target-only",
         costs=costs_of(cfg, setup),
         acceptance=cfg.acceptance,
@@ -182,16 +201,73 @@ def gpu_plan(cfg: PlanConfig, out: Path) -> dict:
         r["speedup"] = r["per_user_tok_s"] / base[r["users"]] if r["users"] in base else None
     slo = [_gpus_for_slo(cfg, s) for s in cfg.setups] if cfg.slo else []
     table = _plan_table(cfg, rows, slo)
+    sweep = _sweep(cfg) if cfg.sweep else []
+    if sweep:
+        table += "\n\n" + _sweep_table(sweep)
     (out / "plan.md").write_text(table + "\n")
     plot = _plan_plot(cfg, rows, out / "plan.png")
     run_id = _log_plan(cfg, rows, slo, [out / "plan.md", plot])
     return {
         "levels": rows,
         "slo": slo,
+        "sweep": sweep,
         "table": table,
         "files": [str(out / "plan.md"), str(plot)],
         "mlflow_run_id": run_id,
     }
+
+
+def fixed_variants(setup: Setup) -> list[Setup]:
+    """Fixed settings to hold an adaptive setup against: speculation off (same stack), chains of 1 to 5 drafted
+    every round, and the setup's own tree verified whole every round."""
+    fixed = setup.scheduler | {"adaptive": False}
+    variants = [setup.model_copy(update={"name": "off", "kind": "target-only"})]
+    for k in range(1, 6):
+        chain = SpecConfig(method="chain", num_spec_tokens=k)
+        variants.append(setup.model_copy(update={"name": f"chain {k}", "spec": chain, "scheduler": fixed}))
+    variants.append(setup.model_copy(update={"name": "tree, whole", "scheduler": fixed}))
+    return variants
+
+
+def _sweep(cfg: PlanConfig) -> list[dict]:
+    from orchestrator.sim.run import simulate
+
+    out = []
+    for setup in cfg.setups:
+        adaptive = SchedulerConfig.model_validate(_served(setup)[1] | setup.scheduler).adaptive
+        if setup.kind != "disaggregated" or not adaptive:
+            continue
+        for users in cfg.users:
+            workload = {
+                "users": users,
+                "requests": max(32, users * cfg.requests_per_user),
+                "prompt_tokens": cfg.prompt_tokens,
+                "max_tokens": cfg.max_tokens,
+            }
+            mine = simulate(_sim_config(cfg, setup, workload))["per_user_tok_s"]
+            fixed = {v.name: simulate(_sim_config(cfg, v, workload))["per_user_tok_s"] for v in fixed_variants(setup)}
+            best = max(fixed, key=fixed.get)
+            out.append(
+                {"setup": setup.name, "users": users, "adaptive": mine, "best_fixed": best, "best": fixed[best]}
+                | {"fixed": fixed, "ratio": mine / fixed[best]}
+            )
+    return out
+
+
+def _sweep_table(sweep: list[dict]) -> str:
+    lines = [
+        "Adaptive against the best fixed setting (per-user tok/s; ratio < 0.95: adaptive loses by more than 5%)",
+        "",
+        "| setup | users | adaptive | best fixed | its tok/s | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sweep:
+        flag = " **loses**" if r["ratio"] < 0.95 else ""
+        lines.append(
+            f"| {r['setup']} | {r['users']} | {r['adaptive']:.1f} | {r['best_fixed']} | {r['best']:.1f} | "
+            f"{r['ratio']:.3f}{flag} |"
+        )
+    return "\n".join(lines)
 
 
 def _gpus_for_slo(cfg: PlanConfig, setup: Setup) -> dict:
@@ -328,7 +404,7 @@ def calibrate_on_benchmark(cfg: CalibrationConfig, out: Path) -> dict:
     depth, topk, _ = SpecConfig.model_validate(args.get("spec", {})).shape()
     costs = fit_costs(levels, depth, topk, _aux_bytes_per_token(args, cfg.models_dir))
     profile = measured_profile(levels)
-    rows = predict(levels, bench["max_tokens"], args, costs, profile)
+    rows = predict(levels, bench, args, costs, profile)
     ratios = speedups(rows)
     table = _calibration_table(rows, ratios)
     (out / "calibration.md").write_text(table + "\n")

@@ -33,7 +33,8 @@ class Workload(StrictModel):
 
     users: int | None = Field(None, ge=1, description="closed loop: this many users, each sends its next at once")
     rate_per_s: float | None = Field(None, gt=0, description="open loop: Poisson arrivals at this rate")
-    requests: int = Field(100, ge=1, description="requests in all")
+    requests: int = Field(100, ge=1, description="requests measured")
+    warmup: int = Field(0, ge=0, description="requests sent first and not measured (as the benchmark's warm-up)")
     prompt_tokens: list[int] = Field([128], min_length=1, description="prompt lengths, drawn uniformly")
     max_tokens: int = Field(64, ge=1)
     answer_tokens: list[int] | None = Field(
@@ -97,7 +98,7 @@ async def _drive(scheduler: SpecScheduler, target: SimTarget, w: Workload, clock
     records: list[dict] = []
     params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=w.answer_tokens is None)
 
-    async def one() -> None:
+    async def one(measured: bool = True) -> None:
         prompt = [1] * rng.choice(w.prompt_tokens)
         sent = clock.now
         r = scheduler.submit(prompt, params)
@@ -113,10 +114,19 @@ async def _drive(scheduler: SpecScheduler, target: SimTarget, w: Workload, clock
             ends.append(r.queue.get_nowait())
         if len(ends) != 1 or not r.ended:
             raise AssertionError(f"request {r.id} ended {len(ends)} times")
-        records.append({"sent": sent, "stamps": stamps, "tokens": tokens, "error": ends[0].error})
+        if measured:
+            records.append({"sent": sent, "stamps": stamps, "tokens": tokens, "error": ends[0].error})
 
     scheduler.start()
     try:
+        if w.warmup:  # as the benchmark warms up: the level's users, then the measured requests
+            warm = iter(range(w.warmup))
+
+            async def warm_user() -> None:
+                for _ in warm:
+                    await one(measured=False)
+
+            await asyncio.gather(*(warm_user() for _ in range(w.users or 1)))
         if w.users is not None:
             left = iter(range(w.requests))
 

@@ -122,7 +122,7 @@ def test_calibration_of_a_calibrated_drafter_stays_near_one():
 
 
 def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
-    modes = ModeChooser(probe_every=4, probe_rounds=2, max_backoff=4)
+    modes = ModeChooser(probe_every=4, probe_rounds=2, max_backoff=4, probe_overhead=1.0)  # the backoff alone
     for _ in range(2):  # nothing measured: draft (probe_rounds rounds)
         assert modes.choose(8) is True
         modes.observe(True, 8, tokens=10, seconds=1.0)
@@ -141,7 +141,7 @@ def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
 
 
 def test_mode_chooser_skips_catch_up_rounds_replaces_stale_costs_and_keeps_the_yield():
-    modes = ModeChooser(probe_every=4, probe_rounds=2, smoothing=0.1)
+    modes = ModeChooser(probe_every=4, probe_rounds=2, smoothing=0.1, probe_overhead=1.0)
     for _ in range(2):  # drafting at 2 tok/s, target-only at 3: target-only wins
         modes.observe(True, 1, tokens=2, seconds=1.0)
     for _ in range(21):
@@ -192,3 +192,27 @@ def test_mode_chooser_is_not_scared_off_a_paying_drafter_by_hard_stretches():
     paying = [_simulated_share_drafted(ModeChooser(), 0.55, seed) for seed in range(6)]
     losing = [_simulated_share_drafted(ModeChooser(), 0.25, seed) for seed in range(6)]
     assert min(paying) > 0.85 and max(losing) < 0.15, (paying, losing)
+
+
+def _time_lost_to_probes(modes: ModeChooser, drafted_s: float, catch_up_s: float, rounds: int = 3000) -> float:
+    """Drafting never pays: a drafted round yields 1 token like a target-only one (0.1 s) but takes `drafted_s`,
+    and the first of a stretch (the catch-up) `catch_up_s`. The share of the time lost against never drafting."""
+    spent = 0.0
+    last = False
+    for _ in range(rounds):
+        draft = modes.choose(4)
+        catch_up = draft and not last
+        seconds = (catch_up_s if catch_up else drafted_s) if draft else 0.1
+        modes.observe(draft, 4, 4, seconds, catch_up=catch_up)
+        spent, last = spent + seconds, draft
+    return spent / (0.1 * rounds) - 1
+
+
+def test_probing_a_mode_that_keeps_losing_costs_at_most_its_overhead_budget():
+    """However badly drafting loses (2x, 5x, a catch-up of 10 rounds' time), probing it costs about
+    `probe_overhead` (2%): the debt of each probe is paid back before the next one. The backoff alone (an
+    unbounded budget) lets the cost grow with the loss."""
+    for drafted_s, catch_up_s in ((0.2, 0.3), (0.5, 1.0), (0.2, 1.0)):
+        lost = _time_lost_to_probes(ModeChooser(), drafted_s, catch_up_s)
+        assert lost < 0.03, (drafted_s, catch_up_s, lost)
+    assert _time_lost_to_probes(ModeChooser(probe_overhead=1e9), 0.5, 1.0) > 0.05  # the budget is what bounds it

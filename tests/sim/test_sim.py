@@ -154,7 +154,7 @@ def test_calibration_on_a_simulated_benchmark_recovers_its_costs_and_predicts_it
     assert fit.target.per_token_s == pytest.approx(0.002, rel=0.05)
     assert fit.draft.fixed_s == pytest.approx(0.004, rel=0.05)
     assert fit.call_s == pytest.approx(0.003, rel=0.05)
-    rows = predict(levels, 32, app, fit, AcceptanceProfile(chain=[0.7, 0.5, 0.4]))
+    rows = predict(levels, {"max_tokens": 32}, app, fit, AcceptanceProfile(chain=[0.7, 0.5, 0.4]))
     assert all(abs(r["error"]) < 0.03 for r in rows), rows
     assert all(abs(s["error"]) < 0.03 for s in speedups(rows))
     assert measured_profile(levels).chain == [0.0]  # no drafts recorded in these files
