@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import API_KEY, QUESTIONS, random_drafter, vllm_generate, write_tiny_llama
+from tests.helpers import API_KEY, NO_CAPTURE_KEY, QUESTIONS, random_drafter, vllm_generate, write_tiny_llama
 
-os.environ["AERIE_API_KEY"] = API_KEY  # before any Ray starts: its workers (the servers) inherit it
+os.environ["AERIE_API_KEY"] = f"{API_KEY},{NO_CAPTURE_KEY}"  # before any Ray starts: its servers inherit it
 os.environ.pop("AERIE_API_KEY_FILE", None)
 MODELS_DIR = Path(os.environ.get("AERIE_TEST_MODELS", Path.home() / ".cache" / "aerie-test-models"))
 

@@ -47,6 +47,7 @@ QUESTIONS = [  # the serving tests' chat questions
 # The servers under test take this key (tests/conftest.py puts it in the environment before Ray starts).
 API_KEY = "aerie-test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+NO_CAPTURE_KEY = "aerie-test-key-never-captured-42"  # also accepted by the test servers; a tap may exclude it
 
 
 def write_tiny_llama(out: Path, seed: int = 0, **overrides) -> Path:

@@ -56,6 +56,9 @@ class TapConfig(StrictModel):
     max_bytes: int = Field(2**30, ge=1, description="each writer's shards at most this many bytes (oldest go first)")
     max_age_hours: float = Field(24 * 7, gt=0, description="shards older than this are deleted")
     shard_tokens: int = Field(16384, ge=1, description="tokens per shard (whole requests)")
+    flush_s: float = Field(
+        60.0, gt=0, description="a partial shard is written once its first request has waited this long"
+    )
     queue_requests: int = Field(256, ge=1, description="finished requests waiting to be written; beyond, dropped")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="the shards' precision")
     no_capture_key_ids: list[str] = Field(
@@ -146,18 +149,25 @@ class TrafficTap:
     # -- the writer thread ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        pending = _Pending()
+        pending, since = _Pending(), None  # `since`: when the pending shard's first request arrived
         while True:
-            item = self._queue.get()
+            wait = None if since is None else max(0.0, since + self.cfg.flush_s - time.monotonic())
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:  # quiet for flush_s: what is pending is written (a crash loses at most that)
+                self._write(pending)
+                pending, since = _Pending(), None
+                continue
             if item is None:
                 break
             pending.sequences.append(Sequence(uuid.uuid4().hex[:12], "served", item.input_ids, item.loss_mask))
             pending.aux.append(item.aux_hidden)
             pending.final.append(item.final_hidden)
             pending.tokens += item.input_ids.numel()
-            if pending.tokens >= self.cfg.shard_tokens:
+            since = time.monotonic() if since is None else since
+            if pending.tokens >= self.cfg.shard_tokens or time.monotonic() - since >= self.cfg.flush_s:
                 self._write(pending)
-                pending = _Pending()
+                pending, since = _Pending(), None
         if pending.sequences:
             self._write(pending)
 

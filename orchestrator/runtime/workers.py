@@ -339,6 +339,14 @@ class TargetWorker:
         pairs = Pairs.pack(parts, self.width)
         return pairs.nbytes, pairs
 
+    def close_tap(self, timeout_s: float = 30.0) -> dict | None:
+        """Write what the traffic tap still holds and stop it (the replica is shutting down): its stats, or None
+        without a tap. Requests finishing after it are not captured."""
+        if self.tap is None:
+            return None
+        self.tap.close(timeout_s)
+        return dataclasses.asdict(self.tap.stats)
+
     def release(self, request_ids: list[str]) -> None:
         """Forget these requests (unknown ids are ignored: a release may cross the request's own end)."""
         for r in request_ids:

@@ -345,6 +345,18 @@ class SpecServer:
             )
         return await self._complete(handle, text, chunker, len(prompt_ids))
 
+    def __del__(self) -> None:
+        """Serve shuts the replica down: the traffic tap writes what it still holds before the workers go."""
+        workers, tap = getattr(self, "workers", None), getattr(self, "tap", None)
+        if workers is None or tap is None or not tap.enabled:
+            return
+        import ray
+
+        try:
+            ray.get(workers.target.close_tap.remote(), timeout=40)
+        except Exception as err:  # noqa: BLE001 (shutting down: nothing else to do but say so)
+            log.warning("the traffic tap could not write what it held: %s", type(err).__name__)
+
     def _start(self) -> None:
         """The scheduler's loops start with the replica's event loop (the first request or health check)."""
         if not self.started:

@@ -84,6 +84,18 @@ class FlakyStorage(LocalStorage):
         super().write_bytes(name, data)
 
 
+def test_a_partial_shard_is_written_after_flush_s_without_waiting_for_more_traffic(tmp_path):
+    tap = _tap(tmp_path, shard_tokens=10**6, flush_s=0.2)
+    tap.offer(captured_request(0))
+    wait_written(tap, 1)  # without more traffic and without close: a crash loses at most flush_s of it
+    assert tap.stats.shards == 1
+    tap.offer(captured_request(1))
+    tap.offer(captured_request(2))  # within flush_s of the first: the same shard
+    wait_written(tap, 2)
+    assert tap.stats.shards == 2 and tap.stats.written_requests == 3
+    tap.close()
+
+
 def test_a_failing_storage_loses_only_its_shard_and_raises_nothing(tmp_path):
     storage = FlakyStorage(tmp_path / "traffic")
     tap = _tap(tmp_path, storage)

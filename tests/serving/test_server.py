@@ -11,17 +11,26 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, AUTH
+from orchestrator.serving.guard import key_id
+from tests.helpers import API_KEY, AUTH, NO_CAPTURE_KEY
 from tests.serving.conftest import app_args, deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def apps(serve_session, tiny_chat, tiny_drafter, references):
-    """chain and tree apps with the replay proposer (acceptance 0..all), two replicas with the real EAGLE
-    drafter ("dp", also the "eagle" case), a target-only one and one with a 0.5 s request deadline."""
+def traffic(tmp_path_factory):
+    """Where the chain app's traffic tap writes."""
+    return tmp_path_factory.mktemp("traffic")
+
+
+@pytest.fixture(scope="module")
+def apps(serve_session, tiny_chat, tiny_drafter, references, traffic):
+    """chain and tree apps with the replay proposer (acceptance 0..all; the chain app with the traffic tap on),
+    two replicas with the real EAGLE drafter ("dp", also the "eagle" case), a target-only one and one with a
+    0.5 s request deadline."""
     replay = {"proposer_factory": "tests.helpers:ReplayProposer"}
+    tap = {"enabled": True, "output": str(traffic), "shard_tokens": 1, "dtype": "float32"}
     urls = {
         "chain": deploy(
             "chain",
@@ -31,6 +40,7 @@ def apps(serve_session, tiny_chat, tiny_drafter, references):
                 **replay,
                 proposer_args={"references": references["path"], "depth": 4},
                 scheduler={"adaptive": False},
+                tap=tap | {"no_capture_key_ids": [key_id(NO_CAPTURE_KEY)]},
             ),
             serve_session,
         ),
@@ -388,3 +398,41 @@ def test_steady_load_keeps_users_busy_for_its_duration_and_counts_failures(apps,
 
     with pytest.raises(AerieError, match="answered 401"):  # no key: refused before any load
         asyncio.run(steady_load(apps["chain"], humaneval_prompts(2), users=1, seconds=1, max_tokens=8, headers={}))
+
+
+def test_the_tap_keeps_only_requests_it_may_keep(apps, traffic):
+    """Three requests to the app with the tap on: one it may keep, one that opts out with `X-Aerie-Capture: off`,
+    one sent with a key configured as never captured. Only the first reaches storage (its prompt's token ids
+    are the start of a captured sequence). (That the tap changes no answer: the greedy tests run on this app.)"""
+    from orchestrator.data.shards import read_shard
+    from orchestrator.data.storage import LocalStorage
+    from orchestrator.data.traffic import traffic_shards
+
+    prompts = {name: [11 + i, 23, 57, 91 + i, 7, 64] for i, name in enumerate(("kept", "opted-out", "no-capture-key"))}
+    headers = {
+        "kept": AUTH,
+        "opted-out": AUTH | {"X-Aerie-Capture": "off"},
+        "no-capture-key": {"Authorization": f"Bearer {NO_CAPTURE_KEY}"},
+    }
+    for name, prompt in prompts.items():
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{apps['chain']}/v1/completions", json=body, timeout=120, headers=headers[name])
+        assert r.status_code == 200, r.text
+
+    def captured() -> list[list[int]]:
+        storage, seqs = LocalStorage(traffic), []
+        for record in traffic_shards(storage):
+            shard = read_shard(storage.read_bytes(record["name"]))
+            ids, start = shard["input_ids"].tolist(), 0
+            for n in shard["seq_lens"].tolist():
+                seqs.append(ids[start : start + n])
+                start += n
+        return seqs
+
+    deadline = time.monotonic() + 60
+    while not any(s[: len(prompts["kept"])] == prompts["kept"] for s in captured()):
+        assert time.monotonic() < deadline, "the tap did not write the request it may keep"
+        time.sleep(0.5)
+    time.sleep(2)  # the others, had they been queued, would be written by now
+    for name in ("opted-out", "no-capture-key"):
+        assert not any(s[: len(prompts[name])] == prompts[name] for s in captured()), name

@@ -158,3 +158,30 @@ def test_calibration_on_a_simulated_benchmark_recovers_its_costs_and_predicts_it
     assert all(abs(r["error"]) < 0.03 for r in rows), rows
     assert all(abs(s["error"]) < 0.03 for s in speedups(rows))
     assert measured_profile(levels).chain == [0.0]  # no drafts recorded in these files
+
+
+def test_ten_thousand_requests_simulate_in_seconds_and_keep_every_invariant():
+    """The issue's scale: 10,000 requests of random lengths at 16 users, adaptive trees, on a CPU-like cost model
+    (about 100 simulated minutes). `simulate` raises if a request did not end exactly once or anything is left."""
+    costs = CostModel(
+        target=StepCost(fixed_s=0.088, tree_s=0.05, per_token_s=0.007),
+        draft=StepCost(fixed_s=0.0055, per_token_s=0.00035),
+        call_s=0.005,
+        aux_bytes_per_token=6920,
+    )
+    cfg = SimConfig(
+        costs=costs,
+        acceptance=AcceptanceProfile(chain=[0.6, 0.5, 0.4, 0.4]),
+        spec={"method": "tree", "depth": 4, "topk": 2, "budget": 8},
+        scheduler={"max_batch": 16, "budget_tokens": 48, "micro_batches": 1},
+        workload={
+            "users": 16,
+            "requests": 10_000,
+            "prompt_tokens": [100, 200, 400],
+            "max_tokens": 64,
+            "answer_tokens": [8, 32, 64, 200],
+        },
+    )
+    r = simulate(cfg)
+    assert r["requests"] == 10_000 and r["failed"] == 0
+    assert r["simulated_s"] > 3600
