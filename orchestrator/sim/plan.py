@@ -181,6 +181,16 @@ def gpus_of(cfg: PlanConfig, setup: Setup) -> int:
     return cfg.target_placement.gpus + (1 if setup.kind == "disaggregated" else 0)
 
 
+def _closed_loop(cfg: PlanConfig, users: int) -> dict:
+    """A level's workload: `users` users, each sending its next request when one ends."""
+    return {
+        "users": users,
+        "requests": max(32, users * cfg.requests_per_user),
+        "prompt_tokens": cfg.prompt_tokens,
+        "max_tokens": cfg.max_tokens,
+    }
+
+
 def gpu_plan(cfg: PlanConfig, out: Path) -> dict:
     """Every setup at every concurrency; speed-ups over target-only; GPUs for the SLO; table, plot, MLflow."""
     from orchestrator.sim.run import simulate
@@ -188,12 +198,7 @@ def gpu_plan(cfg: PlanConfig, out: Path) -> dict:
     rows = []
     for setup in cfg.setups:
         for users in cfg.users:
-            workload = {
-                "users": users,
-                "requests": max(32, users * cfg.requests_per_user),
-                "prompt_tokens": cfg.prompt_tokens,
-                "max_tokens": cfg.max_tokens,
-            }
+            workload = _closed_loop(cfg, users)
             r = simulate(_sim_config(cfg, setup, workload))
             rows.append({"setup": setup.name, "kind": setup.kind, "users": users, **r})
     base = {r["users"]: r["per_user_tok_s"] for r in rows if r["kind"] == "target-only"}
@@ -238,12 +243,7 @@ def _sweep(cfg: PlanConfig) -> list[dict]:
         if setup.kind != "disaggregated" or not adaptive:
             continue
         for users in cfg.users:
-            workload = {
-                "users": users,
-                "requests": max(32, users * cfg.requests_per_user),
-                "prompt_tokens": cfg.prompt_tokens,
-                "max_tokens": cfg.max_tokens,
-            }
+            workload = _closed_loop(cfg, users)
             mine = simulate(_sim_config(cfg, setup, workload))["per_user_tok_s"]
             fixed = {v.name: simulate(_sim_config(cfg, v, workload))["per_user_tok_s"] for v in fixed_variants(setup)}
             best = max(fixed, key=fixed.get)
