@@ -53,6 +53,7 @@ JOB_CONFIGS = {  # module -> (module, class) of its config
     "jobs.pipeline": ("orchestrator.pipeline", "PipelineConfig"),
     "jobs.adapt": ("jobs.adapt", "AdaptConfig"),
     "jobs.benchmark_serving": ("orchestrator.benchmarks.serving", "BenchmarkServingConfig"),
+    "jobs.plan": ("orchestrator.sim.plan", "PlanConfig"),
 }
 CONFIG_JOBS = {  # a config file's name -> the job that reads it
     "collect": "jobs.collect_hidden_states",
@@ -62,6 +63,7 @@ CONFIG_JOBS = {  # a config file's name -> the job that reads it
     "pipeline": "jobs.pipeline",
     "adapt": "jobs.adapt",
     "benchmark_serving": "jobs.benchmark_serving",
+    "plan": "jobs.plan",
 }
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}  # GPU nodes' usual taint
 ENTRYPOINT = re.compile(r"^python -m (?P<module>[\w.]+) --config (?P<config>\S+)$")
@@ -185,7 +187,8 @@ def test_the_manifests_are_the_ones_an_operator_applies():
         assert d["apiVersion"] == "ray.io/v1" or d["kind"] not in RAY_KINDS, f
         assert d["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "aerie-spec", f
     entrypoints = {ENTRYPOINT.match(d["spec"]["entrypoint"])["module"] for _, d in _of_kind("RayJob")}
-    assert entrypoints == set(JOB_CONFIGS) - {"jobs.benchmark_serving"}  # one RayJob per job (the benchmark: a stage)
+    # one RayJob per job (the benchmark: a stage; the plan: a simulation on any machine, no cluster)
+    assert entrypoints == set(JOB_CONFIGS) - {"jobs.benchmark_serving", "jobs.plan"}
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,7 @@ def _config_class(stem: str):
     from orchestrator.evaluation.diagnose import DiagnoseConfig
     from orchestrator.evaluation.extrapolation import ExtrapolationConfig
     from orchestrator.serving.rollout import DeployConfig
+    from orchestrator.sim.plan import PlanConfig
     from orchestrator.train.config import TrainConfig
 
     prefixes = {
@@ -153,6 +154,7 @@ def _config_class(stem: str):
         "benchmark_generate": BenchmarkGenerateConfig,
         "benchmark_serving": BenchmarkServingConfig,
         "benchmark_training_data": BenchmarkTrainingDataConfig,
+        "plan": PlanConfig,
     }
     return next(cls for prefix, cls in prefixes.items() if stem.startswith(prefix))
 
