@@ -520,6 +520,8 @@ class SpecScheduler:
     def _span(self, name: str, worker: str, g: int, started: float, dur: float, batch: int, tokens: int) -> None:
         """One worker call on the timeline: `tokens` it computed (verified, prefilled, or states the drafter took
         in), `context` the group's tokens in the KV cache (what `sim.costs.fit_step_cost` fits step times to)."""
+        if self.trace.maxlen == 0:  # not kept (a simulation without a trace): nothing to compute per round
+            return
         context = sum(len(r.prompt_ids) + r.emitted for r in self.groups[g].requests.values())
         self.trace.append(
             {

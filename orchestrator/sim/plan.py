@@ -16,6 +16,7 @@ With an `slo` (a request rate and a time per output token), the GPUs each setup 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -148,11 +149,15 @@ def costs_of(cfg: PlanConfig, setup: Setup) -> CostModel:
 
 def _served(setup: Setup) -> tuple[dict, dict]:
     """(spec, scheduler) of the setup's Serve config, or ({}, {})."""
-    if setup.serve_config is None:
-        return {}, {}
+    return _serve_args(setup.serve_config) if setup.serve_config is not None else ({}, {})
+
+
+@functools.cache
+def _serve_args(path: str) -> tuple[dict, dict]:
+    """Read once per plan: a sweep or an SLO search simulates the same setup dozens of times."""
     from orchestrator.serving.launch import read_serve_config
 
-    args = read_serve_config(setup.serve_config)[1]["args"]
+    args = read_serve_config(path)[1]["args"]
     return args.get("spec", {}), args.get("scheduler", {})
 
 
