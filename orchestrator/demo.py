@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from orchestrator.benchmarks.stats import format_ratio, paired_ratio
+from orchestrator.stats import format_ratio, paired_ratio
 from orchestrator.engine import load_engine
 from orchestrator.errors import AerieError
 from orchestrator.spec.acceptance import Acceptance

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.benchmarks.stats import format_ratio, paired_ratio
+from orchestrator.stats import format_ratio, paired_ratio
 from orchestrator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

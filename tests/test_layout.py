@@ -59,3 +59,32 @@ def test_the_algorithms_use_no_ray_and_the_runtime_nothing_of_serving():
             assert not tops & {"ray", "orchestrator.runtime", "orchestrator.engine", "orchestrator.serving"}, module
         if module.startswith("orchestrator.runtime"):
             assert "orchestrator.serving" not in tops, module
+
+
+def test_every_module_imports_only_its_own_layer_or_below():
+    """orchestrator/layout.py's LAYERS (the architecture page is generated from it) hold for every import."""
+    from orchestrator.layout import LAYERS, layer_of
+
+    graph = _imports()
+    upward = []
+    for module, imported in sorted(graph.items()):
+        if module == "orchestrator":
+            continue
+        for target in sorted(t for t in imported if t in graph and t != "orchestrator"):
+            if layer_of(target) > layer_of(module):
+                upward.append(
+                    f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
+    assert not upward, "\n".join(upward)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    from orchestrator.layout import layer_of
+
+    assert layer_of("orchestrator.stats") < layer_of("orchestrator.evaluation.evaluate")
+    assert layer_of("orchestrator.stats") < layer_of("orchestrator.demo")
+    assert (
+        layer_of("orchestrator.data.storage")
+        < layer_of("orchestrator.spec.tree")
+        < layer_of("orchestrator.data.collect")
+    )

@@ -176,7 +176,7 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: 
 def paired_speedup(spec: dict, plain: dict) -> dict:
     """Per-user tokens/s, speculation on / off: request i of repeat r in one mode paired with the same request in
     the other (same prompt, run next to it), a bootstrap interval over those pairs (`stats.paired_ratio`)."""
-    from orchestrator.benchmarks.stats import paired_ratio
+    from orchestrator.stats import paired_ratio
 
     pairs = [
         (a, b)
@@ -501,7 +501,7 @@ def format_table(result: dict) -> str:
                 f"{1e3 * (r['itl_p50_s'] or 0):.0f}/{1e3 * (r['itl_p99_s'] or 0):.0f} | "
                 f"{s['acceptance_length']:.2f} | {use} | {r['failed']} |"
             )
-    from orchestrator.benchmarks.stats import format_ratio
+    from orchestrator.stats import format_ratio
 
     for key, backend in (("speedup", "disaggregated"), ("vllm_speedup", "vLLM")):
         if key in result:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from orchestrator.benchmarks.stats import tau_ratio
+from orchestrator.stats import tau_ratio
 from orchestrator.config import StrictModel
 from orchestrator.engine import load_engine
 from orchestrator.evaluation.plots import plot_evaluation

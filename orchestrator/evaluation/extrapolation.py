@@ -173,7 +173,7 @@ def run_extrapolation(cfg: ExtrapolationConfig) -> dict:
 
 def conditions(evaluation: dict, variants: list[str], seeds: list[int]) -> dict:
     """Per condition: tau per variant, the ratio candidate / baseline, intervals (stats.tau_ratio)."""
-    from orchestrator.benchmarks.stats import tau_ratio
+    from orchestrator.stats import tau_ratio
 
     labels = [tuple(x) for x in evaluation["prompt_labels"]]
     drafters = evaluation["drafters"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.benchmarks.stats import tau_ratio
+from orchestrator.stats import tau_ratio
 from orchestrator.evaluation.extrapolation import conditions, format_table
 
 
