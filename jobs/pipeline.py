@@ -8,6 +8,7 @@ Rerunning skips every stage whose inputs did not change and resumes the one that
 good shards, training continues from its latest checkpoint). It deploys only to a running cluster: RAY_ADDRESS,
 or the local Ray that `aerie serve` started; without one the deploy stage is skipped and says so. Writes
 state.json, report.json, report.md and plots to output_dir; the MLflow pipeline run has a child run per stage.
+The console shows the stage lines, bars and warnings; the engines' own output goes to output_dir/logs/.
 """
 
 from __future__ import annotations

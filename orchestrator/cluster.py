@@ -4,6 +4,7 @@ and the resources a worker actor asks of it. Jobs, the server and library code a
     configured_address(address)      address, else RAY_ADDRESS, else None
     init_ray(address)                that cluster, else a private Ray on loopback (a job's own)
     connect_to_running_cluster(a)    that cluster, else the Ray `aerie serve` started here; never a private one
+    ray_logs_dir()                   where the connected Ray keeps its workers' logs (never streamed to the driver)
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def init_ray(address: str | None = None) -> None:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=configured_address(address), log_to_driver=False)
+
+
+def ray_logs_dir() -> str | None:
+    """Where the Ray this process is connected to keeps its workers' logs (workers, Ray Train, Ray Serve:
+    `init_ray` does not stream them to the driver), or None while not connected."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray._private import worker
+
+    node = worker._global_node
+    return node.get_logs_dir_path() if node is not None else None
 
 
 def starts_private_ray(address: str | None = None) -> bool:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from orchestrator.stats import format_ratio, paired_ratio
 from orchestrator.engine import load_engine
 from orchestrator.errors import AerieError
 from orchestrator.spec.acceptance import Acceptance
 from orchestrator.spec.proposer import SpecConfig
 from orchestrator.spec.sampling import SamplingParams
+from orchestrator.stats import format_ratio, paired_ratio
 
 
 def run_demo(

@@ -12,9 +12,11 @@ from __future__ import annotations
 LAYERS: list[tuple[str, str, list[str]]] = [
     (
         "foundation",
-        "errors, config loading, redaction, fingerprints and the bootstrap statistics every report uses",
+        "errors, config loading, redaction, fingerprints, the bootstrap statistics every report uses, and the "
+        "console (what a person sees; each stage's log file takes the rest)",
         [
             "orchestrator.errors",
+            "orchestrator.console",
             "orchestrator.config",
             "orchestrator.redaction",
             "orchestrator.fingerprint",

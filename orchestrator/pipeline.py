@@ -14,6 +14,10 @@ The pipeline runs on the Ray cluster it finds: `ray_address`, RAY_ADDRESS (what 
 local Ray that `aerie serve` started; without one it starts a private Ray for its stages, and the deploy stage
 (`deploy.when: auto`) is skipped with a note, because a deployment made there would die with the job.
 
+The console shows a line per stage that names its log (`output_dir/logs/<stage>.log`: vLLM's, Ray's, MLflow's
+and transformers' own output goes there), a bar per long phase, and the project's warnings; the pipeline's own
+work between the stages logs to `logs/pipeline.log` (orchestrator/console.py). The report lists the logs.
+
 MLflow: the pipeline run is a parent run (experiment `mlflow_experiment`) with a child run per stage; the
 training and evaluation runs are the stages' own runs, made its children. The registered versions are tagged
 with the collection (location, manifest sha256, its run), the training run, the evaluation run and taus, the
@@ -22,6 +26,7 @@ gate's decision, the pipeline run; the rollout adds its decision (`aerie.rollout
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -36,6 +41,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from orchestrator import console
 from orchestrator.config import StrictModel, load_config
 from orchestrator.errors import AerieError
 from orchestrator.fingerprint import fingerprint
@@ -170,55 +176,98 @@ class State:
 
 class Pipeline:
     def __init__(self, cfg: PipelineConfig) -> None:
-        from orchestrator.tracking import client, tracking_uri
+        from orchestrator.tracking import tracking_uri
 
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.state = State(self.out / "state.json")
         self.uri = tracking_uri(cfg.mlflow_tracking_uri)
-        self.mlflow = client(self.uri)
         self.cluster: str | None = None  # the running cluster found, or None (a private Ray)
         self.traffic: dict | None = None  # an adaptation's lineage (traffic_data)
         self.report: dict = {"name": cfg.name, "stages": {}}
         self.parent = ""
 
+    @functools.cached_property
+    def mlflow(self):
+        """The MLflow client, made on first use: a new store's set-up chatter goes to logs/pipeline.log."""
+        from orchestrator.tracking import client
+
+        return client(self.uri)
+
     # -- plumbing ---------------------------------------------------------------------------------------------
 
     def say(self, text: str) -> None:
-        print(f"[pipeline {time.strftime('%H:%M:%S')}] {text}", flush=True)
+        console.say(f"[pipeline {time.strftime('%H:%M:%S')}] {text}")
 
-    def stage(self, key: str, fp: str, body: Callable[[], dict], check: Callable[[dict], bool] = lambda r: True):
+    def log_file(self, key: str) -> Path:
+        """The log of a stage (`pipeline`: the pipeline's own work between stages)."""
+        return self.out / "logs" / f"{key}.log"
+
+    def stage(
+        self,
+        key: str,
+        fp: str,
+        body: Callable[[], dict],
+        check: Callable[[dict], bool] = lambda r: True,
+        doing: str = "running",
+        ray_workers: bool = False,
+    ):
         """Run `body` unless state.json has this stage done with the same fingerprint and `check` accepts its
-        result; returns the result either way. A failure names the stage and what to do."""
+        result; returns the result either way. `doing` says what it does in the stage line, which names the
+        stage's log (the engines' output goes there, not to the terminal); a stage with `ray_workers` names Ray's
+        log folder when it ends (its workers log there). A failure names the stage, its log and what to do."""
         done = self.state.done(key, fp)
+        log_file = self.log_file(key)
         if done is not None and check(done["result"]):
             self.say(f"{key}: skipped (done {done['finished']}, same inputs)")
             self.report["stages"][key] = {"status": "skipped", **{k: done[k] for k in ("seconds", "finished")}}
+            if log_file.is_file():
+                self.report["stages"][key]["log"] = str(log_file)
             return done["result"]
-        self.say(f"{key}: running")
+        self.say(f"{key}: {doing} (log: {log_file})")
         began = time.monotonic()
         self.state.record(key, fingerprint=fp, status="running", started=time.strftime("%Y-%m-%d %H:%M:%S"))
         try:
-            result = body()
-        except AerieError as err:
+            with console.stage_log(log_file):
+                result = body()
+        except BaseException as err:
+            ray_logs = self._ray_logs() if ray_workers else None
+            ray_said = f"; Ray workers' logs: {ray_logs}" if ray_logs else ""
+            self.say(f"{key}: failed after {time.monotonic() - began:.0f} s (log: {log_file}{ray_said})")
+            self._failed(key, fp, err)
+            raise
+        seconds = round(time.monotonic() - began, 1)
+        finished = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.state.record(key, fingerprint=fp, status="done", result=result, seconds=seconds, finished=finished)
+        self.report["stages"][key] = {"status": "ran", "seconds": seconds, "finished": finished, "log": str(log_file)}
+        ray_logs = self._ray_logs() if ray_workers else None
+        self.say(f"{key}: done in {seconds:.0f} s" + (f" (Ray workers' logs: {ray_logs})" if ray_logs else ""))
+        return result
+
+    def _failed(self, key: str, fp: str, err: BaseException) -> None:
+        """Record a failed stage; raise the AerieError that names it and what to do (an interrupt goes on)."""
+        if isinstance(err, AerieError):
             self.state.record(key, fingerprint=fp, status="failed", error=str(err))
             raise AerieError(
                 f"pipeline stage {key} failed: {err} (fix that and rerun: done stages are skipped)"
             ) from err
-        except Exception as err:
+        if isinstance(err, Exception):
             trace = self.out / f"{key}.error.txt"
-            trace.write_text(traceback.format_exc())
+            trace.write_text("".join(traceback.format_exception(err)))
             self.state.record(key, fingerprint=fp, status="failed", error=repr(err)[:500])
             raise AerieError(
                 f"pipeline stage {key} failed: {type(err).__name__}: {str(err)[:300]} (traceback: {trace}); "
                 "rerun resumes from this stage"
             ) from err
-        seconds = round(time.monotonic() - began, 1)
-        finished = time.strftime("%Y-%m-%d %H:%M:%S")
-        self.state.record(key, fingerprint=fp, status="done", result=result, seconds=seconds, finished=finished)
-        self.report["stages"][key] = {"status": "ran", "seconds": seconds, "finished": finished}
-        self.say(f"{key}: done in {seconds:.0f} s")
-        return result
+
+    def _ray_logs(self) -> str | None:
+        """The folder of the Ray this job is connected to, where its workers log (recorded for the report)."""
+        from orchestrator.cluster import ray_logs_dir
+
+        where = ray_logs_dir()
+        if where is not None:
+            self.report["ray_logs"] = where
+        return where
 
     def load(self, key: str, model, stage: StageFile, wiring: list[str]):
         """A stage's job config: its file, its overrides, then the pipeline's wiring; errors name the stage."""
@@ -316,9 +365,18 @@ class Pipeline:
             read_serve_config(bench.app, [*bench.app_overrides, "drafter=null", "speculation=false"])
 
     def run(self) -> dict:
+        """Every stage in turn, then the report. Between the stages the pipeline's own work (MLflow, Ray, the
+        gate, the report) logs to logs/pipeline.log; each stage logs to its own file there."""
         began = time.monotonic()
         self.preflight()
         self.out.mkdir(parents=True, exist_ok=True)
+        own_log = self.log_file("pipeline")
+        self.say(f"{self.cfg.name}: logs in {own_log.parent}/ (the pipeline's own: {own_log.name}; one per stage)")
+        self.report["log"] = str(own_log)
+        with console.stage_log(own_log):
+            return self._run(began)
+
+    def _run(self, began: float) -> dict:
         self.start_parent()
         self.find_cluster()
         self.check_keys()
@@ -393,7 +451,13 @@ class Pipeline:
                 and hashlib.sha256(storage.read_bytes("manifest.json")).hexdigest() == result["manifest_sha256"]
             )
 
-        return Collection.from_dict(self.stage("collect", fingerprint(cfg.model_dump(mode="json")), body, still_there))
+        sources = "+".join(s.kind for s in cfg.sources)
+        regenerated = ", answers regenerated by the target" if cfg.regenerate else ""
+        doing = (
+            f"hidden states of {cfg.max_conversations or 'all'} {sources} conversations{regenerated} -> {cfg.output}"
+        )
+        fp = fingerprint(cfg.model_dump(mode="json"))
+        return Collection.from_dict(self.stage("collect", fp, body, still_there, doing, ray_workers=True))
 
     def traffic_data(self) -> Collection:
         """The traffic the tap captured since the production drafter's (its version's `aerie.traffic.until` tag;
@@ -466,7 +530,10 @@ class Pipeline:
         def still_there(result: dict) -> bool:
             return (Path(result["exported"]) / "config.json").is_file() and self._version_exists(result["registered"])
 
-        return self.stage(f"train-{variant}", fp, body, still_there)
+        budget = [f"{cfg.max_steps} steps"] if cfg.max_steps is not None else []
+        budget += [f"{cfg.max_time_minutes:g} min"] if cfg.max_time_minutes is not None else []
+        doing = f"{variant} for {' or '.join(budget)}" + (f", from {start}" if start else "")
+        return self.stage(f"train-{variant}", fp, body, still_there, doing, ray_workers=True)
 
     def _train_wiring(self, model_dir: Path) -> list[str]:
         return [
@@ -527,6 +594,7 @@ class Pipeline:
             fingerprint(cfg.model_dump(mode="json")),
             body,
             lambda r: (Path(cfg.output_dir) / "result.json").is_file(),
+            f"drafters {', '.join(d['name'] for d in drafters)}; methods {', '.join(cfg.methods)}",
         )
 
     def tau(self, evaluation: dict, name: str, set_name: str) -> float:
@@ -647,7 +715,8 @@ class Pipeline:
                 raise AerieError(f"the candidate did not start: {record.get('reason')}")
             return summary
 
-        return self.stage("deploy", fingerprint(cfg.model_dump(mode="json")), body)
+        fp = fingerprint(cfg.model_dump(mode="json"))
+        return self.stage("deploy", fp, body, doing=f"rolling out {gate['candidate']}", ray_workers=True)
 
     def _skip(self, key: str, reason: str) -> dict:
         self.say(f"{key}: skipped: {reason}")
@@ -678,7 +747,9 @@ class Pipeline:
             result["run_id"] = self.child_run("benchmark", {"config": cfg.model_dump(mode="json")}, metrics)
             return result
 
-        return self.stage("benchmark", fingerprint(cfg.model_dump(mode="json")), body)
+        doing = f"{candidate} with and without speculation, {cfg.concurrency} concurrent users"
+        fp = fingerprint(cfg.model_dump(mode="json"))
+        return self.stage("benchmark", fp, body, doing=doing, ray_workers=True)
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:

@@ -1,5 +1,5 @@
-"""The pipeline's report: report.json (everything), report.md (tables and plots a person reads) and two plots:
-tau per evaluation set and drafter, and the serving speed-up per concurrency and backend."""
+"""The pipeline's report: report.json (everything), report.md (tables and plots a person reads, each stage's log
+file) and two plots: tau per evaluation set and drafter, and the serving speed-up per concurrency and backend."""
 
 from __future__ import annotations
 
@@ -82,12 +82,20 @@ def markdown(report: dict, plots: list[Path]) -> str:
         "",
         f"Total {report['seconds']:.0f} s.",
         "",
-        "| stage | status | seconds |",
+        "| stage | status | seconds | log |",
     ]
-    lines.append("|---|---|---|")
+    lines.append("|---|---|---|---|")
     for key, s in report["stages"].items():
         status = s["status"] + (f" ({s['reason']})" if s.get("reason") else "")
-        lines.append(f"| {key} | {status} | {s.get('seconds', '')} |")
+        log = f"`{s['log']}`" if s.get("log") else ""
+        lines.append(f"| {key} | {status} | {s.get('seconds', '')} | {log} |")
+    if report.get("log"):
+        lines += [
+            "",
+            f"Between the stages (MLflow, Ray, the gate, this report) the pipeline logs to `{report['log']}`.",
+        ]
+    if report.get("ray_logs"):
+        lines.append(f"The Ray workers (capture, Ray Train, Ray Serve) log to `{report['ray_logs']}`.")
     c = report["collection"]
     summary = c.get("summary", {})
     data = (

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.stats import format_ratio, paired_ratio
 from orchestrator.cli import main
+from orchestrator.stats import format_ratio, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo"

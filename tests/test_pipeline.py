@@ -55,21 +55,28 @@ def test_a_stage_runs_once_per_fingerprint(pipeline, capsys):
         calls.append(1)
         return {"n": len(calls)}
 
-    assert pipeline.stage("s", "fp1", body) == {"n": 1}
+    assert pipeline.stage("s", "fp1", body, doing="counting") == {"n": 1}
+    log = Path(pipeline.cfg.output_dir) / "logs" / "s.log"
+    assert pipeline.report["stages"]["s"]["log"] == str(log) and log.is_file()
     assert pipeline.stage("s", "fp1", body) == {"n": 1} and len(calls) == 1  # skipped
-    assert "s: skipped" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"s: counting (log: {log})" in said and "s: skipped" in said
     assert pipeline.stage("s", "fp2", body) == {"n": 2}  # inputs changed
     assert pipeline.stage("s", "fp2", body, check=lambda r: False) == {"n": 3}  # its output is gone
     again = Pipeline(pipeline.cfg)  # a new process reads state.json
     assert again.stage("s", "fp2", body) == {"n": 3} and len(calls) == 3
 
 
-def test_a_failing_stage_names_itself_and_is_not_done(pipeline):
+def test_a_failing_stage_names_itself_and_its_log_and_is_not_done(pipeline, capsys):
     def broken():
+        os.write(1, b"the engine's last words\n")  # as a subprocess writes, past Python's sys.stdout
         raise ValueError("disk full")
 
     with pytest.raises(AerieError, match=r"pipeline stage train-eagle3 failed: ValueError: disk full \(traceback: "):
         pipeline.stage("train-eagle3", "fp", broken)
+    log = Path(pipeline.cfg.output_dir) / "logs" / "train-eagle3.log"
+    assert f"train-eagle3: failed after 0 s (log: {log})" in capsys.readouterr().out  # the pointer
+    assert "the engine's last words" in log.read_text() and "ValueError: disk full" in log.read_text()
     assert pipeline.state.stages["train-eagle3"]["status"] == "failed"
     assert "ValueError" in (Path(pipeline.cfg.output_dir) / "train-eagle3.error.txt").read_text()
     assert pipeline.stage("train-eagle3", "fp", lambda: {"ok": True}) == {"ok": True}  # a rerun runs it

@@ -18,9 +18,9 @@ from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
-from tqdm import tqdm
 
 from orchestrator.config import StrictModel
+from orchestrator.console import bar
 from orchestrator.data.prompts import encode_prompt, read_prompt_file
 from orchestrator.errors import AerieError
 from orchestrator.spec.acceptance import Acceptance
@@ -71,7 +71,7 @@ def load_prompt_ids(cfg: BenchmarkGenerateConfig, model_dir: Path, tokenizer, eo
 def _timed(run: Callable[[list[list[int]]], int], prompts: list[list[int]], batch: int, label: str) -> dict:
     """Run `prompts` in chunks of `batch`; `run` returns tokens generated. Returns tokens, seconds, tok/s."""
     tokens, elapsed = 0, 0.0
-    for start in tqdm(range(0, len(prompts), batch), desc=label, unit="batch", leave=False):
+    for start in bar(iterable=range(0, len(prompts), batch), desc=label, unit="batch", leave=False):
         chunk = prompts[start : start + batch]
         began = time.perf_counter()
         tokens += run(chunk)

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
+from tqdm import tqdm
 
 from orchestrator.config import StrictModel
+from orchestrator.console import bar
 from orchestrator.errors import AerieError
 from orchestrator.serving.backends import backend_of, build_application
 from orchestrator.serving.launch import read_serve_config
@@ -120,10 +122,10 @@ async def stream_request(client, url: str, model: str, prompt: dict, max_tokens:
 
 
 async def run_requests(
-    url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int
+    url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int, progress: tqdm | None = None
 ) -> tuple[list[dict], float]:
     """`n` requests, `concurrency` at a time (closed loop): each request's measurements (in request order; request
-    i sends prompts[i % len]) and the wall time."""
+    i sends prompts[i % len]) and the wall time; `progress` (a bar) advances by one as each request ends."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -133,7 +135,10 @@ async def run_requests(
 
         async def user(i):
             async with sem:
-                return await stream_request(client, url, model, prompts[i % len(prompts)], max_tokens)
+                measured = await stream_request(client, url, model, prompts[i % len(prompts)], max_tokens)
+            if progress is not None:
+                progress.update()
+            return measured
 
         began = time.perf_counter()
         results = await asyncio.gather(*[user(i) for i in range(n)])
@@ -373,6 +378,8 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
     deployed = [_Deployed(cfg, backend, mode, label, prompts) for label, backend in backends for mode in cfg.modes]
     result: dict = {"modes": {d.key: {} for d in deployed}, "files": [], "repeats": cfg.repeats}
+    measured = sum(max(cfg.min_requests, c * cfg.requests_per_user) for c in cfg.concurrency)
+    requests = bar(total=measured * cfg.repeats * len(deployed), desc="benchmark", unit="req")
     try:
         for c in cfg.concurrency:
             n = max(cfg.min_requests, c * cfg.requests_per_user)
@@ -384,7 +391,10 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
             runs: dict[str, list] = {d.key: [] for d in deployed}
             for r in range(cfg.repeats):
                 for d in deployed if r % 2 == 0 else deployed[::-1]:
-                    runs[d.key].append(asyncio.run(run_requests(d.url, d.model, prompts, c, n, cfg.max_tokens)))
+                    requests.set_postfix_str(f"{d.key} c={c}")
+                    runs[d.key].append(
+                        asyncio.run(run_requests(d.url, d.model, prompts, c, n, cfg.max_tokens, requests))
+                    )
             for d in deployed:
                 level = summarise_requests(runs[d.key], c)
                 level["scheduler"] = d.delta(before[d.key], c, began, out_dir, result)
@@ -397,6 +407,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
                 result["modes"][d.key][c] = level
                 log.info("%s c=%d: %.1f tok/s per user, %d failed", d.name, c, level["per_user_tok_s"], level["failed"])
     finally:
+        requests.close()
         for d in deployed:
             serve.delete(d.name)
     for label, _ in backends:

@@ -21,10 +21,10 @@ from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
-from tqdm import tqdm
 
 from orchestrator.cluster import WorkerResources, init_ray
 from orchestrator.config import StrictModel
+from orchestrator.console import bar
 from orchestrator.data import corpus
 from orchestrator.data.conversations import (
     Conversation,
@@ -353,7 +353,7 @@ def sum_stats(parts: list[dict]) -> dict:
 def render_all(cfg: CollectConfig, conversations: list[Conversation], tokenizer) -> dict[str, list[Sequence]]:
     """Every conversation under every template variant, by split."""
     out: dict[str, list[Sequence]] = {"train": [], "validation": []}
-    for conv in tqdm(conversations, desc="render", unit="conv"):
+    for conv in bar(iterable=conversations, desc="render", unit="conv", leave=False):
         split = split_of(conv.id, cfg.validation_fraction)
         for variant in cfg.templates:
             messages = conv.messages
@@ -474,13 +474,12 @@ def run_collection(cfg: CollectConfig, model_dir: Path) -> dict:
     began, tokens, peaks = time.perf_counter(), 0, []
     if pending:  # nothing to capture (every shard reused, or max_new_shards=0): no Ray, no workers
         workers = start_capture_workers(cfg, model_dir, aux, min(cfg.num_workers, len(pending)))
-        bar = tqdm(total=sum(p.num_tokens for p in pending), desc="capture", unit="tok", unit_scale=True)
-        for record, stats in ActorPool(workers).map_unordered(lambda w, p: w.capture.remote(p), pending):
-            records[record["name"]] = record
-            tokens += record["num_tokens"]
-            peaks.append(stats["peak_rss_mib"])
-            bar.update(record["num_tokens"])
-        bar.close()
+        with bar(total=sum(p.num_tokens for p in pending), desc="capture", unit="tok", unit_scale=True) as captured:
+            for record, stats in ActorPool(workers).map_unordered(lambda w, p: w.capture.remote(p), pending):
+                records[record["name"]] = record
+                tokens += record["num_tokens"]
+                peaks.append(stats["peak_rss_mib"])
+                captured.update(record["num_tokens"])
         for w in workers:
             ray.kill(w)
     elapsed = time.perf_counter() - began

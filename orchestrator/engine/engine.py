@@ -56,11 +56,11 @@ class SpecEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         raise_errors: bool = True,
-        progress: str | None = None,
+        progress: tqdm | None = None,
     ) -> list[Generation]:
         """Run prompts to completion (continuous batching); results in prompt order. A request that fails
-        raises AerieError, or (raise_errors=False) comes back with `error` set. progress: a bar with this
-        label counts finished requests."""
+        raises AerieError, or (raise_errors=False) comes back with `error` set. progress: the caller's bar,
+        advanced by one as each request finishes."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if self.tokenizer is None and any(p.stop for p in params):
@@ -71,7 +71,7 @@ class SpecEngine:
             raise AerieError(failed.error)
         return out
 
-    async def _generate(self, prompts, params, progress: str | None = None) -> list[Generation]:
+    async def _generate(self, prompts, params, progress: tqdm | None = None) -> list[Generation]:
         n = self.target.max_batch
         cfg = SchedulerConfig(
             max_batch=n,
@@ -85,12 +85,7 @@ class SpecEngine:
         scheduler.start()
         try:
             requests = [scheduler.submit(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
-            bar = tqdm(total=len(requests), desc=progress, unit="req") if progress else None
-            try:
-                return await asyncio.gather(*[self._collect(scheduler, r, bar) for r in requests])
-            finally:
-                if bar is not None:
-                    bar.close()
+            return await asyncio.gather(*[self._collect(scheduler, r, progress) for r in requests])
         finally:
             self.last_stats = scheduler.stats()
             await scheduler.close()

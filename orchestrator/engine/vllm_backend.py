@@ -6,10 +6,14 @@ rules shared by every vLLM engine the project starts (serving, capture) live her
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+from tqdm import tqdm
 
 from orchestrator.engine.engine import Generation
 from orchestrator.errors import AerieError
@@ -131,14 +135,11 @@ class VllmGenerator:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
-        progress: str | None = None,
+        progress: tqdm | None = None,
     ) -> list[Generation]:
         """Generate for all prompts in one vLLM batch (one setting, or one per prompt); results in prompt order.
-        progress: vLLM's bar over finished prompts, with this label."""
-        import functools
-
+        progress: the caller's bar, advanced by one as each prompt finishes (vLLM draws no bar of its own)."""
         import vllm
-        from tqdm import tqdm
 
         def convert(p: SamplingParams) -> vllm.SamplingParams:
             return vllm.SamplingParams(
@@ -153,8 +154,8 @@ class VllmGenerator:
 
         vparams = convert(params) if isinstance(params, SamplingParams) else [convert(p) for p in params]
         inputs = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        bar = functools.partial(_labelled_tqdm, tqdm, progress) if progress else False
-        outputs = self.llm.generate(inputs, vparams, use_tqdm=bar)
+        advance = functools.partial(_Advance, caller=progress) if progress is not None else False
+        outputs = self.llm.generate(inputs, vparams, use_tqdm=advance)
         results = []
         for prompt, out in zip(prompts, outputs, strict=True):
             completion = out.outputs[0]
@@ -162,8 +163,15 @@ class VllmGenerator:
         return results
 
 
-def _labelled_tqdm(tqdm, label: str, *args, **kwargs):
-    """vLLM's bar over processed prompts, under our label; its other bar (adding requests) hidden."""
-    if kwargs.get("desc") != "Processed prompts":
-        return tqdm(*args, **{**kwargs, "disable": True})
-    return tqdm(*args, **{**kwargs, "desc": label})
+class _Advance(tqdm):
+    """vLLM's bar for one `generate` call, drawn nowhere: each finished prompt it counts (`update`) advances
+    `caller`, a bar that may span many calls (regeneration's one bar over every turn's answers). vLLM's other
+    bar, over the prompts it renders, iterates and so advances nothing."""
+
+    def __init__(self, *args, caller: tqdm, **kwargs) -> None:
+        self.caller = caller
+        super().__init__(*args, **{**kwargs, "file": io.StringIO(), "leave": False})
+
+    def update(self, n: float | None = 1) -> bool | None:
+        self.caller.update(n)
+        return super().update(n)

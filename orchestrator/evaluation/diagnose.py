@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 from pydantic import Field
-from tqdm import tqdm
 
 from orchestrator.config import StrictModel
+from orchestrator.console import bar
 from orchestrator.evaluation.evaluate import DrafterRef
 from orchestrator.redaction import redact
 
@@ -91,7 +91,8 @@ def run_diagnosis(cfg: DiagnoseConfig) -> dict:
         raise ValueError(f"no context in {cfg.contexts} fits the target's window ({window} tokens)")
     engine = load_engine(model_dir, max_batch=4, eos_token_ids=eos)
     params = SamplingParams(max_tokens=cfg.answer_tokens, ignore_eos=True)
-    answers = engine.generate([p.ids for p in prompts], params, progress="target answers")
+    with bar(total=len(prompts), desc="target answers", unit="answer") as answered:
+        answers = engine.generate([p.ids for p in prompts], params, progress=answered)
     del engine
     embed = load_safetensors_dir(model_dir, ["model.embed_tokens.weight"])["model.embed_tokens.weight"].float()
     states: dict[tuple, list] = {}  # aux layer ids -> per prompt (ids, aux)
@@ -103,7 +104,9 @@ def run_diagnosis(cfg: DiagnoseConfig) -> dict:
         if layers not in states:
             states[layers] = _target_states(TargetModel, model_dir, layers, prompts, answers)
         per_context: dict[str, list] = defaultdict(list)
-        for prompt, (ids, aux) in tqdm(zip(prompts, states[layers], strict=True), total=len(prompts), desc=name):
+        for prompt, (ids, aux) in bar(
+            iterable=zip(prompts, states[layers], strict=True), total=len(prompts), desc=name
+        ):
             start = len(prompt.ids) - 1  # the committed pair before the answer's second token drafts it
             rows = torch.arange(start, ids.numel() - cfg.depth - 1)
             per_context[prompt.label].append(attention_masses(drafter, ids, aux, rows, cfg.depth, cfg.sink_tokens))

@@ -15,9 +15,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from pydantic import Field
+from tqdm import tqdm
 
-from orchestrator.stats import tau_ratio
 from orchestrator.config import StrictModel
+from orchestrator.console import bar
 from orchestrator.engine import load_engine
 from orchestrator.evaluation.plots import plot_evaluation
 from orchestrator.evaluation.sets import EvalPrompt, long_context_set, mtbench_set, template_set, validation_set
@@ -27,6 +28,7 @@ from orchestrator.redaction import redact
 from orchestrator.spec.acceptance import Acceptance
 from orchestrator.spec.proposer import SpecConfig
 from orchestrator.spec.sampling import SamplingParams
+from orchestrator.stats import tau_ratio
 from orchestrator.tracking import client, fetch_drafter, tracking_uri
 
 log = logging.getLogger(__name__)
@@ -92,15 +94,18 @@ def _tau_by(prompts: list[EvalPrompt], generations, key) -> dict[str, dict]:
     return {k: acc.summary() for k, acc in sorted(groups.items())}
 
 
-def evaluate_drafter(cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompts, eos, name: str = "") -> dict:
-    """tau per set and per (set, label) for every method, with the project's engine (a bar per method)."""
+def evaluate_drafter(
+    cfg: EvalConfig, model_dir: Path, drafter_dir: Path, prompts, eos, name: str = "", progress: tqdm | None = None
+) -> dict:
+    """tau per set and per (set, label) for every method, with the project's engine; `progress` (a bar) advances
+    by one per answer."""
     params = SamplingParams(max_tokens=cfg.max_tokens)
     out = {}
     for method, spec in cfg.methods.items():
         engine = load_engine(model_dir, drafter_dir, spec, max_batch=cfg.batch_size, eos_token_ids=eos)
-        gens = engine.generate(
-            [p.ids for p in prompts], params, progress=f"evaluate {name or drafter_dir.name} {method}"
-        )
+        if progress is not None:
+            progress.set_postfix_str(f"{name or drafter_dir.name} {method}")
+        gens = engine.generate([p.ids for p in prompts], params, progress=progress)
         out[method] = {
             "overall": _tau_by(prompts, gens, lambda p: "all")["all"],
             "sets": _tau_by(prompts, gens, lambda p: p.set),
@@ -170,14 +175,16 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     result = {"prompts": _count(prompts), "max_tokens": cfg.max_tokens, "drafters": {}}
     result["prompt_labels"] = [[p.set, p.label] for p in prompts]  # the rows of every method's per_prompt
     chains = [(m, s) for m, s in cfg.methods.items() if s.method == "chain"]
-    for name, drafter_dir in drafters.items():
-        entry = {"source": next(d.source for d in cfg.drafters if d.name == name)}
-        entry["engine"] = evaluate_drafter(cfg, model_dir, drafter_dir, prompts, eos, name)
-        if cfg.vllm_check and prompts and chains:
-            method, spec = chains[0]
-            theirs = vllm_taus(model_dir, drafter_dir, spec.num_spec_tokens, prompts, cfg.max_tokens)
-            entry["vllm_check"] = vllm_check(entry["engine"], theirs, method, cfg.vllm_tolerance)
-        result["drafters"][name] = entry
+    with bar(total=len(drafters) * len(cfg.methods) * len(prompts), desc="evaluate", unit="answer") as answers:
+        for name, drafter_dir in drafters.items():
+            entry = {"source": next(d.source for d in cfg.drafters if d.name == name)}
+            entry["engine"] = evaluate_drafter(cfg, model_dir, drafter_dir, prompts, eos, name, answers)
+            if cfg.vllm_check and prompts and chains:
+                method, spec = chains[0]
+                answers.set_postfix_str(f"{name} on vLLM")
+                theirs = vllm_taus(model_dir, drafter_dir, spec.num_spec_tokens, prompts, cfg.max_tokens)
+                entry["vllm_check"] = vllm_check(entry["engine"], theirs, method, cfg.vllm_tolerance)
+            result["drafters"][name] = entry
     return _report(cfg, result)
 
 

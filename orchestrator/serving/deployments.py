@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import Callable
 
+from orchestrator.console import say
 from orchestrator.errors import AerieError
 from orchestrator.serving.backends import backend_of, build_application
 from orchestrator.serving.counters import backend_counters, running_import_path
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class EventLog:
-    """What a rollout did, when (seconds since it began): printed as it happens, kept for its record."""
+    """What a rollout did, when (seconds since it began): said on the console as it happens (also during a
+    pipeline stage), kept for its record."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock, self.t0 = clock, clock()
@@ -37,7 +39,7 @@ class EventLog:
         entry = {"t": self.now(), "event": what, **details}
         self.events.append(entry)
         log.info("%s %s", what, json.dumps(details, default=str))
-        print(f"[deploy {entry['t']:7.1f}s] {what} {json.dumps(details, default=str)}", flush=True)
+        say(f"[deploy {entry['t']:7.1f}s] {what} {json.dumps(details, default=str)}")
 
 
 class ServeDeployments:

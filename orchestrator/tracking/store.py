@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.console import say
 from orchestrator.errors import AerieError
 from orchestrator.redaction import redact_text
 
@@ -151,7 +152,7 @@ def tag_rollout(record: dict, tracking: str | None = None, production_alias: str
         c.set_model_version_tag(uri.name, version, "aerie.rollout.reason", record["reason"])
     if decision in ("initial", "promoted"):
         c.set_registered_model_alias(uri.name, production_alias, version)
-    print(f"[deploy] {uri.name} version {version}: {decision}", flush=True)
+    say(f"[deploy] {uri.name} version {version}: {decision}")
 
 
 @dataclass(frozen=True)

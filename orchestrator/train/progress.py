@@ -7,8 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tqdm import tqdm
-
+from orchestrator.console import bar
 from orchestrator.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -24,7 +23,7 @@ class TrainingBar:
         total = cfg.max_time_minutes if self.by_time else cfg.max_steps
         unit = "min" if self.by_time else "step"
         fmt = "{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}{postfix}]" if self.by_time else None
-        self.bar = tqdm(total=total, desc=f"train {cfg.name}", unit=unit, bar_format=fmt)
+        self.bar = bar(total=total, desc=f"train {cfg.name}", unit=unit, bar_format=fmt)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="training-bar")
 

@@ -1,25 +1,37 @@
 """Synthetic prompts and regeneration logic with a scripted decoder (no model, no Ray): echoes of the steering
-prompt and repeats across chunks are dropped, chunk ids continue, chunk statistics add up, turns are cut."""
+prompt and repeats across chunks are dropped, chunk ids continue, chunk statistics add up, turns are cut, and
+regeneration shows one bar over every turn's answers."""
 
 from __future__ import annotations
 
+import io
 import itertools
 
+from tqdm import tqdm
+
+from orchestrator.data import synthetic
 from orchestrator.data.collect import sum_stats
 from orchestrator.data.conversations import Conversation, first_turns
-from orchestrator.data.synthetic import SyntheticConfig, is_echo, synthesise_prompts
+from orchestrator.data.synthetic import RegenerateConfig, SyntheticConfig, answer_turns, is_echo, synthesise_prompts
 from orchestrator.engine.engine import Generation
 
 
 class ScriptedDecoder:
-    """Completes every prompt with the next scripted text (finished with EOS), recording the topic it saw."""
+    """Completes every prompt with the next scripted text (finished with EOS), recording the topic it saw and
+    the size of each batch; advances the caller's bar per prompt, as the engines do."""
 
     def __init__(self, tokenizer, texts: list[str]) -> None:
-        self.tokenizer, self.texts, self.prompts = tokenizer, itertools.cycle(texts), []
+        self.tokenizer, self.texts, self.prompts, self.batches = tokenizer, itertools.cycle(texts), [], []
 
     def generate(self, prompts, params, progress=None):
         self.prompts += [self.tokenizer.decode(p) for p in prompts]
-        return [Generation(list(p), self.tokenizer(next(self.texts))["input_ids"], "stop") for p in prompts]
+        self.batches.append(len(prompts))
+        out = []
+        for p in prompts:
+            out.append(Generation(list(p), self.tokenizer(next(self.texts))["input_ids"], "stop"))
+            if progress is not None:
+                progress.update()
+        return out
 
 
 def test_echoes_of_the_steering_prompt_are_recognised():
@@ -74,3 +86,29 @@ def test_first_turns_keeps_whole_exchanges():
     assert first_turns(conv, 1).messages == messages[:3]
     assert first_turns(conv, 2).messages == messages[:5]
     assert first_turns(conv, 5).messages == messages and first_turns(conv, 1).id == "c"
+
+
+def test_regeneration_shows_one_bar_over_every_turn(smollm2_tokenizer, monkeypatch):
+    """Conversations of 3, 1 and 5 user turns, the third full at its third turn: 3 + 2 + 1 answers, one bar that
+    ends at 6/6, and no call to the decoder for the turns nobody reaches (vLLM drew an empty bar for each)."""
+    bars: list[tqdm] = []
+
+    def recorded(**kwargs) -> tqdm:
+        bars.append(tqdm(file=io.StringIO(), **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(synthetic, "bar", recorded)
+
+    def conv(name: str, users: list[str]) -> Conversation:
+        messages = [m for u in users for m in ({"role": "user", "content": u}, {"role": "assistant", "content": "a"})]
+        return Conversation(name, messages, "chitchat")
+
+    long = "tell me more " * 80  # ~240 tokens: past the budget after two turns
+    conversations = [conv("a", ["hi", "and?", "so?"]), conv("b", ["hello"]), conv("c", ["yo", "ok", long, "x", "y"])]
+    decoder = ScriptedDecoder(smollm2_tokenizer, ["Sure."])
+    cfg = RegenerateConfig(max_new_tokens=16)
+    answered = answer_turns(decoder, smollm2_tokenizer, conversations, cfg, max_length_tokens=256)
+    assert [sum(m["role"] == "assistant" for m in c.messages) for c in answered] == [3, 1, 2]
+    assert decoder.batches == [3, 2, 1]
+    assert len(bars) == 1 and bars[0].desc == "answers" and bars[0].n == bars[0].total == 6
+    assert "tok/s" in str(bars[0].postfix)

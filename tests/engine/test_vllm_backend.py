@@ -1,12 +1,16 @@
-"""The tensor-parallel rules every vLLM engine of the project follows (no engine starts here)."""
+"""The tensor-parallel rules every vLLM engine of the project follows, and vLLM's per-call bar feeding the
+caller's one bar (no engine starts here)."""
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 
 import pytest
+from tqdm import tqdm
 
-from orchestrator.engine.vllm_backend import check_tensor_parallel, cpu_thread_binding, engine_env
+from orchestrator.engine.vllm_backend import _Advance, check_tensor_parallel, cpu_thread_binding, engine_env
 from orchestrator.errors import AerieError
 
 SHARDABLE = [  # (attention heads, KV heads, TP size, vLLM accepts)
@@ -70,3 +74,19 @@ def test_engine_env_is_scoped_and_leaves_what_the_user_set(monkeypatch):
     with engine_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "2"}):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+
+
+def test_vllms_bars_advance_the_callers_bar_and_draw_nothing(capsys):
+    """What LLM.generate does with `use_tqdm` (vllm/entrypoints/common/offline.py): iterate a bar over the prompts
+    it renders, then count finished requests on another, reading its elapsed time and setting a postfix."""
+    answers = tqdm(total=5, file=io.StringIO())  # the caller's, over two generate calls
+    advance = functools.partial(_Advance, caller=answers)
+    for batch in (3, 2):
+        list(advance(range(batch), desc="Rendering prompts"))
+        pbar = advance(total=batch, desc="Processed prompts", dynamic_ncols=True, postfix="est. speed")
+        for _ in range(batch):
+            pbar.postfix = f"input: {10 / max(pbar.format_dict['elapsed'], 1e-9):.2f} toks/s"
+            pbar.update(1)
+        pbar.close()
+    assert answers.n == 5
+    assert capsys.readouterr() == ("", "")

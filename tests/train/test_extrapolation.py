@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.stats import tau_ratio
 from orchestrator.evaluation.extrapolation import conditions, format_table
+from orchestrator.stats import tau_ratio
 
 
 def _counts(tau_per_prompt: list[float], seeds: int, drafts: int = 20) -> np.ndarray:
