@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/python -m pip
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: install pipeline demo demo-drafter test test-fast lint benchmark corpus drafters drafters-quick gpu-deps gpu-check
+.PHONY: install pipeline demo demo-drafter test test-fast lint benchmark corpus drafters drafters-quick gpu-deps gpu-check docs
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,12 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check orchestrator jobs tests
 	$(VENV)/bin/ruff format --check orchestrator jobs tests
+
+# docs/reference/ regenerated from the code (configs, CLI, HTTP surface, metrics, layers), then the site in runs/site;
+# tests/test_docs.py fails when a reference page is stale or the strict build breaks.
+docs: install
+	$(PY) -m orchestrator.reference
+	$(VENV)/bin/mkdocs build --strict
 
 benchmark: install
 	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)

@@ -1,74 +1,129 @@
 """Serving metrics, exported through `ray.util.metrics` (Ray's Prometheus endpoint adds the `ray_` prefix;
 every metric is tagged with the application's `model`). Grafana panels read these names.
 
-| name | kind | meaning |
-|---|---|---|
-| aerie_acceptance_length | histogram | tokens a request gained per verification round (1 + accepted drafts) |
-| aerie_accepted_per_depth_total | counter, tag `depth` | rounds whose accepted path reached depth d (d = 1, 2, ...) |
-| aerie_draft_tokens_total | counter | draft tokens the target verified |
-| aerie_accepted_tokens_total | counter | draft tokens the target accepted |
-| aerie_rounds_total | counter, tag `kind` | target rounds: `spec` (with drafts) or `target_only` |
-| aerie_verify_batch_size | histogram | requests in one verification round |
-| aerie_budget_use | histogram | verified tokens / global verification budget, per round |
-| aerie_draft_latency_s | histogram | one draft call, as the scheduler waits for it |
-| aerie_verify_latency_s | histogram | one verify call, as the scheduler waits for it |
-| aerie_queue_depth | gauge | requests waiting for a KV slot |
-| aerie_kv_slots_free | gauge, tag `worker` | KV slots free on the `target` / `draft` worker (as it last reported) |
-| aerie_kv_slots_used | gauge, tag `worker` | KV slots in use on the `target` / `draft` worker |
-| aerie_running_requests | gauge | requests being decoded |
-| aerie_ttft_s | histogram | submit -> first token |
-| aerie_itl_s | histogram | time between tokens of one request (a round's gap split over its tokens) |
-| aerie_errors_total | counter, tag `kind` | errors: `target_died`, `timeout`, `internal` (requests), `draft_died` |
-| aerie_worker_transfer_bytes_total | counter, tag `direction` | bytes sent `target_to_draft` / `draft_to_target` |
+`METRICS` declares them all: `ServingMetrics` creates them from it and docs/reference/metrics.md is generated
+from it, so the page, the dashboards' names and the code cannot disagree.
 """
 
 from __future__ import annotations
 
-LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
-SIZE_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128]
-FRACTION_BOUNDS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+from dataclasses import dataclass
+from typing import Literal
+
+LATENCY_BOUNDS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
+FRACTION_BOUNDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One exported metric: `ServingMetrics.<attr>` is it."""
+
+    attr: str
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    description: str
+    tag_keys: tuple[str, ...] = ()  # beside `model`
+    boundaries: tuple[float, ...] = ()  # histograms: the buckets' upper bounds
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric(
+        "acceptance_length",
+        "aerie_acceptance_length",
+        "histogram",
+        "tokens a request gained per verification round (1 + accepted drafts)",
+        boundaries=SIZE_BOUNDS,
+    ),
+    Metric(
+        "accepted_per_depth",
+        "aerie_accepted_per_depth_total",
+        "counter",
+        "rounds whose accepted path reached depth d (d = 1, 2, ...)",
+        ("depth",),
+    ),
+    Metric("draft_tokens", "aerie_draft_tokens_total", "counter", "draft tokens the target verified"),
+    Metric("accepted_tokens", "aerie_accepted_tokens_total", "counter", "draft tokens the target accepted"),
+    Metric(
+        "rounds", "aerie_rounds_total", "counter", "target rounds: `spec` (with drafts) or `target_only`", ("kind",)
+    ),
+    Metric(
+        "batch_size",
+        "aerie_verify_batch_size",
+        "histogram",
+        "requests in one verification round",
+        boundaries=SIZE_BOUNDS,
+    ),
+    Metric(
+        "budget_use",
+        "aerie_budget_use",
+        "histogram",
+        "verified tokens / global verification budget, per round",
+        boundaries=FRACTION_BOUNDS,
+    ),
+    Metric(
+        "draft_latency",
+        "aerie_draft_latency_s",
+        "histogram",
+        "one draft call, as the scheduler waits for it",
+        boundaries=LATENCY_BOUNDS,
+    ),
+    Metric(
+        "verify_latency",
+        "aerie_verify_latency_s",
+        "histogram",
+        "one verify call, as the scheduler waits for it",
+        boundaries=LATENCY_BOUNDS,
+    ),
+    Metric("queue_depth", "aerie_queue_depth", "gauge", "requests waiting for a KV slot"),
+    Metric("running", "aerie_running_requests", "gauge", "requests being decoded"),
+    Metric(
+        "slots_free",
+        "aerie_kv_slots_free",
+        "gauge",
+        "KV slots free on the `target` / `draft` worker (as it last reported)",
+        ("worker",),
+    ),
+    Metric(
+        "slots_used", "aerie_kv_slots_used", "gauge", "KV slots in use on the `target` / `draft` worker", ("worker",)
+    ),
+    Metric("ttft", "aerie_ttft_s", "histogram", "submit -> first token", boundaries=LATENCY_BOUNDS),
+    Metric(
+        "itl",
+        "aerie_itl_s",
+        "histogram",
+        "time between tokens of one request (a round's gap split over its tokens)",
+        boundaries=LATENCY_BOUNDS,
+    ),
+    Metric(
+        "errors",
+        "aerie_errors_total",
+        "counter",
+        "errors: requests ended by `target_lost`, `worker`, `timeout` or `internal`; `draft_died` (the draft worker)",
+        ("kind",),
+    ),
+    Metric(
+        "transfer_bytes",
+        "aerie_worker_transfer_bytes_total",
+        "counter",
+        "bytes sent `target_to_draft` / `draft_to_target`",
+        ("direction",),
+    ),
+)
 
 
 class ServingMetrics:
-    """The scheduler's Prometheus metrics (created inside a Ray process)."""
+    """The scheduler's Prometheus metrics (created inside a Ray process): one attribute per `METRICS` entry."""
 
     def __init__(self, model: str) -> None:
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        tags = {"model": model}
-
-        def hist(name, desc, bounds):
-            h = Histogram(name, desc, boundaries=bounds, tag_keys=("model",))
-            h.set_default_tags(tags)
-            return h
-
-        def counter(name, desc, keys=()):
-            c = Counter(name, desc, tag_keys=("model", *keys))
-            c.set_default_tags(tags)
-            return c
-
-        def gauge(name, desc, keys=()):
-            g = Gauge(name, desc, tag_keys=("model", *keys))
-            g.set_default_tags(tags)
-            return g
-
-        self.acceptance_length = hist("aerie_acceptance_length", "1 + accepted drafts per round", SIZE_BOUNDS)
-        self.accepted_per_depth = counter("aerie_accepted_per_depth_total", "rounds accepting depth d", ("depth",))
-        self.draft_tokens = counter("aerie_draft_tokens_total", "draft tokens verified")
-        self.accepted_tokens = counter("aerie_accepted_tokens_total", "draft tokens accepted")
-        self.rounds = counter("aerie_rounds_total", "target rounds", ("kind",))
-        self.batch_size = hist("aerie_verify_batch_size", "requests per verification round", SIZE_BOUNDS)
-        self.budget_use = hist("aerie_budget_use", "verified tokens / budget", FRACTION_BOUNDS)
-        self.draft_latency = hist("aerie_draft_latency_s", "draft call latency", LATENCY_BOUNDS)
-        self.verify_latency = hist("aerie_verify_latency_s", "verify call latency", LATENCY_BOUNDS)
-        self.queue_depth = gauge("aerie_queue_depth", "requests waiting")
-        self.running = gauge("aerie_running_requests", "requests decoding")
-        self.slots_free = gauge("aerie_kv_slots_free", "free KV slots", ("worker",))
-        self.slots_used = gauge("aerie_kv_slots_used", "KV slots in use", ("worker",))
-        self.ttft = hist("aerie_ttft_s", "time to first token", LATENCY_BOUNDS)
-        self.itl = hist("aerie_itl_s", "inter-token latency", LATENCY_BOUNDS)
-        self.errors = counter("aerie_errors_total", "errors", ("kind",))
-        self.transfer_bytes = counter("aerie_worker_transfer_bytes_total", "bytes between the workers", ("direction",))
+        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        for m in METRICS:
+            options = {"boundaries": list(m.boundaries)} if m.kind == "histogram" else {}
+            metric = kinds[m.kind](m.name, m.description, tag_keys=("model", *m.tag_keys), **options)
+            metric.set_default_tags({"model": model})
+            setattr(self, m.attr, metric)
 
     def slots(self, free: dict[str, int], total: int) -> None:
         for worker, n in free.items():

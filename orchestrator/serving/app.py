@@ -42,7 +42,7 @@ from orchestrator.runtime.detok import TextStream
 from orchestrator.runtime.scheduler import SchedulerConfig, SpecScheduler
 from orchestrator.serving.backends import ServedModel, import_object
 from orchestrator.serving.guard import Guard, api_keys, key_id
-from orchestrator.serving.protocol import Chunker, Limits, RequestError, check_request, error_body, sse, usage
+from orchestrator.serving.protocol import Chunker, Limits, RequestError, check_request, sse, status_body, usage
 from orchestrator.spec.proposer import SpecConfig
 from orchestrator.tracking.store import DrafterRef
 
@@ -196,7 +196,7 @@ def _drafter_ref(cfg: SpecServeConfig) -> DrafterRef:
 
 def _error_body(event) -> dict:
     """A failed request's error event as OpenAI's error body (400: the request was at fault)."""
-    return error_body(event.error, "invalid_request_error" if event.status == 400 else "server_error")
+    return status_body(event.error, event.status)
 
 
 # Serve pickles the ingress class when it is decorated: everything it calls is defined above it.
@@ -251,6 +251,8 @@ class SpecServer:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        """OpenAI chat completions (`ChatCompletionRequest`), streamed as SSE or not."""
+
         def tokenize(req) -> list[int]:
             try:
                 return render_chat(self.tokenizer, req.chat())
@@ -261,6 +263,8 @@ class SpecServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
+        """OpenAI completions (`CompletionRequest`): a prompt as text or token ids, streamed as SSE or not."""
+
         def tokenize(req) -> list[int]:
             prompt = req.prompt
             if isinstance(prompt, str):
@@ -273,14 +277,16 @@ class SpecServer:
 
     @api.get("/v1/models")
     async def models(self):
+        """The served model's card (its `max_model_len` included)."""
         card = {"id": self.name, "object": "model", "created": 0, "owned_by": "aerie", "max_model_len": self.context}
         return {"object": "list", "data": [card]}
 
     @api.get("/v1/models/{model:path}")
     async def model(self, model: str):
+        """One model's card; 404 for another name."""
         if model != self.name:
-            error = RequestError(f"The model `{model}` does not exist", "model", 404, code="model_not_found")
-            return JSONResponse(error.body(), status_code=404)
+            error = RequestError.of("model_not_found", f"The model `{model}` does not exist", "model")
+            return JSONResponse(error.body(), status_code=error.status)
         return (await self.models())["data"][0]
 
     @api.get("/health")
@@ -289,7 +295,8 @@ class SpecServer:
         self._start()
         problem = await self.scheduler.health()
         if problem is not None:
-            return JSONResponse(error_body(f"target worker unavailable: {problem}", "server_error"), status_code=503)
+            error = RequestError.of("unavailable", f"target worker unavailable: {problem}")
+            return JSONResponse(error.body(), status_code=error.status)
         return {
             "status": "ok",
             "draft_alive": self.scheduler.draft_alive,
@@ -314,6 +321,7 @@ class SpecServer:
 
     @api.get("/stats")
     async def stats(self, trace: bool = False):
+        """The scheduler's totals, acceptance, KV slots and queue (`?trace=true`: its round timeline too)."""
         # A monitoring read (the rollout polls it): a worker busy with queued rounds does not hold it up, its
         # last known slot count is shown and `slots_stale` names it.
         answers = await self.scheduler.refresh_slots(timeout_s=2.0)

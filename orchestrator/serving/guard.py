@@ -137,18 +137,15 @@ class Guard:
         try:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             if not authorized(headers.get("authorization"), self.keys):
-                raise RequestError(
+                raise RequestError.of(
+                    "invalid_api_key",
                     "Incorrect or missing API key: send `Authorization: Bearer KEY`",
-                    status=401,
-                    code="invalid_api_key",
                     headers={"www-authenticate": "Bearer"},
                 )
             if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
-                raise RequestError(
+                raise RequestError.of(
+                    "queue_full",
                     f"this replica holds {self.in_flight} requests (its limit): retry shortly",
-                    status=429,
-                    kind="rate_limit_error",
-                    code="queue_full",
                     headers={"retry-after": "1"},
                 )
             self.in_flight += 1
@@ -169,9 +166,7 @@ class Guard:
             self.in_flight -= 1
 
     async def _body(self, headers: dict[str, str], receive) -> bytes:
-        too_large = RequestError(
-            f"the request body is larger than {self.max_body_bytes} bytes", status=413, code="body_too_large"
-        )
+        too_large = RequestError.of("body_too_large", f"the request body is larger than {self.max_body_bytes} bytes")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             raise too_large
@@ -179,7 +174,7 @@ class Guard:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise RequestError("the client disconnected", status=499)  # nobody reads the answer
+                raise RequestError.of("client_disconnected", "the client disconnected")  # nobody reads the answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:

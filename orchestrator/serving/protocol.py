@@ -16,12 +16,62 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from orchestrator.config import StrictModel
 from orchestrator.spec.sampling import SamplingParams
+
+
+class HttpError(NamedTuple):
+    """One kind of error answer: its HTTP status, OpenAI's error `type` and `code`, and when it happens."""
+
+    status: int
+    type: str
+    code: str | None
+    when: str
+
+
+# Every error status the servers answer with (docs/reference/http.md is generated from this table). The Guard's, the
+# handlers' and `check_request`'s refusals are `RequestError.of(NAME, ...)`; the scheduler's failures arrive as a
+# status (`runtime/scheduler.py`, `runtime/workers.py`) and take the type of the first entry with that status.
+ERRORS: dict[str, HttpError] = {
+    "invalid_request": HttpError(
+        400,
+        "invalid_request_error",
+        None,
+        "a field out of range, unknown, not implemented, or over a limit; a body that is not a JSON object",
+    ),
+    "invalid_api_key": HttpError(
+        401,
+        "invalid_request_error",
+        "invalid_api_key",
+        "no `Authorization: Bearer KEY` header, or a key the server does not hold (every route but `/health`)",
+    ),
+    "model_not_found": HttpError(404, "invalid_request_error", "model_not_found", "`model` is not the served model"),
+    "body_too_large": HttpError(
+        413, "invalid_request_error", "body_too_large", "a body larger than `limits.max_body_bytes`"
+    ),
+    "queue_full": HttpError(
+        429,
+        "rate_limit_error",
+        "queue_full",
+        "the replica holds `scheduler.max_batch + limits.max_queued` requests already; `Retry-After: 1`",
+    ),
+    "client_disconnected": HttpError(
+        499, "invalid_request_error", None, "the client left before its body arrived (nobody reads the answer)"
+    ),
+    "internal": HttpError(500, "server_error", None, "the scheduler failed on the request (a bug)"),
+    "unavailable": HttpError(
+        503,
+        "server_error",
+        None,
+        "the target worker lost the request (retry it); `/health` while the target cannot admit work; "
+        "the router with no backend taking traffic or the one drawn unreachable",
+    ),
+    "timeout": HttpError(504, "server_error", None, "the request ran past `scheduler.request_timeout_s`"),
+}
 
 
 class RequestError(Exception):
@@ -40,6 +90,14 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
         self.headers = headers or {}
 
+    @classmethod
+    def of(
+        cls, name: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> RequestError:
+        """The error of kind `name` in ERRORS, with this message."""
+        kind = ERRORS[name]
+        return cls(message, param, kind.status, kind.type, kind.code, headers)
+
     def body(self) -> dict:
         return error_body(self.message, self.kind, self.param, self.code)
 
@@ -48,6 +106,12 @@ def error_body(
     message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def status_body(message: str, status: int) -> dict:
+    """The error body of a failure that arrives as a status (the scheduler's): the type ERRORS gives that status."""
+    kind = next((e for e in ERRORS.values() if e.status == status), ERRORS["internal"])
+    return error_body(message, kind.type)
 
 
 class Limits(StrictModel):
@@ -102,18 +166,24 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    model: str = Field(description="the served model's name; another is a 404")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="at most `limits.max_tokens` and the context left (none: the server's default_max_tokens)",
+    )
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set with this mass")
     top_k: int = Field(0, ge=-1, description="vLLM extension; 0 or -1 = all")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: dict | None = None
+    seed: int | None = Field(None, description="this request's sampling seed")
+    stop: str | list[str] | None = Field(
+        None, description="at most `limits.max_stop` strings of at most `limits.max_stop_chars` characters"
+    )
+    n: int = Field(1, ge=1, description="only 1: one request per completion")
+    stream: bool = Field(False, description="answer as server-sent events")
+    stream_options: dict | None = Field(None, description="only `include_usage`: a last chunk with the token counts")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS")
-    user: str | None = None
+    user: str | None = Field(None, description="OpenAI's end-user id (not used)")
 
     @field_validator("stop")
     @classmethod
@@ -172,8 +242,8 @@ class _Common(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict]
+    role: Literal["system", "developer", "user", "assistant"] = Field(description="developer is read as system")
+    content: str | list[dict] = Field(description='text, or text parts: [{"type": "text", "text": ...}]')
 
     @field_validator("content")
     @classmethod
@@ -190,8 +260,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, description="at most `limits.max_messages`")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer max_tokens (wins over it)")
 
     @field_validator("messages")
     @classmethod
@@ -207,7 +277,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] = Field(description="text, token ids, or a list of one text")
 
     @field_validator("prompt")
     @classmethod
@@ -244,6 +314,16 @@ ENDPOINTS: dict[str, type[_Common]] = {
     "/v1/completions": CompletionRequest,
 }
 
+# The routes both backends answer, by the name of the ingress method behind each on the vLLM backend (Ray Serve
+# LLM's, which `vllm_ingress.py` exposes by these names) -> (HTTP method, path). `/health` is open (no API key).
+ROUTES: dict[str, tuple[str, str]] = {
+    "models": ("GET", "/v1/models"),
+    "model_data": ("GET", "/v1/models/{model:path}"),
+    "completions": ("POST", "/v1/completions"),
+    "chat": ("POST", "/v1/chat/completions"),
+    "health": ("GET", "/health"),
+}
+
 
 def check_request(path: str, body: bytes, limits: Limits, served: str | None = None) -> _Common | None:
     """The request to an OpenAI generation path (None for other paths), validated down to its sampling
@@ -258,11 +338,8 @@ def check_request(path: str, body: bytes, limits: Limits, served: str | None = N
     req = parse(model, data, limits)
     req.sampling(1)  # the ranges of the sampling parameters
     if served is not None and req.model != served:
-        raise RequestError(
-            f"The model `{req.model}` does not exist (this server serves `{served}`)",
-            "model",
-            404,
-            code="model_not_found",
+        raise RequestError.of(
+            "model_not_found", f"The model `{req.model}` does not exist (this server serves `{served}`)", "model"
         )
     return req
 

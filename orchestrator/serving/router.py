@@ -36,6 +36,7 @@ from ray import serve
 
 from orchestrator.config import StrictModel
 from orchestrator.serving.guard import Guard, api_keys
+from orchestrator.serving.protocol import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,13 @@ def route_table(name: str, routes: list[Route] | None = None):
 
 
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+def _unavailable(message: str) -> JSONResponse:
+    error = RequestError.of("unavailable", message)
+    return JSONResponse(error.body(), status_code=error.status)
+
+
 router_api = FastAPI(title="aerie-router")
 
 
@@ -190,6 +198,7 @@ class Router:
 
     @router_api.get("/router/status")
     async def status(self) -> dict:
+        """The routes and, per backend, requests forwarded, in flight and failed, over the router's replicas."""
         try:
             return await self.table.status.remote()
         except ray.exceptions.RayActorError:
@@ -198,11 +207,12 @@ class Router:
 
     @router_api.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request):
+        """Any other path, streamed to one backend drawn by weight (`/_backends/APP/PATH`); 503 when none takes it."""
         import httpx
 
         live = [r for r in self.routes if r.weight > 0]
         if not live:
-            return JSONResponse({"error": {"message": "no backend takes traffic", "type": "unavailable"}}, 503)
+            return _unavailable("no backend takes traffic")
         route = random.choices(live, weights=[r.weight for r in live])[0]
         counts = self.counts.setdefault(route.app, {"requests": 0, "in_flight": 0, "failed": 0})
         counts["requests"] += 1
@@ -220,7 +230,7 @@ class Router:
             counts["in_flight"] -= 1
             counts["failed"] += 1
             log.warning("backend %s unreachable: %s", route.app, err)
-            return JSONResponse({"error": {"message": f"backend unreachable: {err}", "type": "unavailable"}}, 503)
+            return _unavailable(f"backend unreachable: {err}")
         if upstream.status_code >= 500:
             counts["failed"] += 1
 

@@ -13,12 +13,13 @@ from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, Open
 from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
 from orchestrator.serving.guard import Guard, api_keys
+from orchestrator.serving.protocol import ROUTES as SHARED_ROUTES
 from orchestrator.serving.protocol import Limits, check_request
 
-# The routes the disaggregated backend has too (and `/health`, open, as there).
+# The routes the disaggregated backend has too (`protocol.ROUTES`: Ray Serve LLM's, and `/health`, open, as there).
 ROUTES = {
-    **{k: DEFAULT_ENDPOINTS[k] for k in ("models", "model_data", "completions", "chat")},
-    "health": lambda app: app.get("/health"),
+    **{k: DEFAULT_ENDPOINTS[k] for k in SHARED_ROUTES if k != "health"},
+    "health": lambda app: app.get(SHARED_ROUTES["health"][1]),
 }
 
 
