@@ -59,6 +59,9 @@ class TapConfig(StrictModel):
     flush_s: float = Field(
         60.0, gt=0, description="a partial shard is written once its first request has waited this long"
     )
+    retain_every_s: float = Field(
+        600.0, gt=0, description="how often a writer with no traffic applies retention, so max_age_hours holds idle"
+    )
     queue_requests: int = Field(256, ge=1, description="finished requests waiting to be written; beyond, dropped")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="the shards' precision")
     no_capture_key_ids: list[str] = Field(
@@ -151,12 +154,16 @@ class TrafficTap:
     def _run(self) -> None:
         pending, since = _Pending(), None  # `since`: when the pending shard's first request arrived
         while True:
-            wait = None if since is None else max(0.0, since + self.cfg.flush_s - time.monotonic())
+            idle = since is None
+            wait = self.cfg.retain_every_s if idle else max(0.0, since + self.cfg.flush_s - time.monotonic())
             try:
                 item = self._queue.get(timeout=wait)
-            except queue.Empty:  # quiet for flush_s: what is pending is written (a crash loses at most that)
-                self._write(pending)
-                pending, since = _Pending(), None
+            except queue.Empty:
+                if idle:  # no traffic: shards still age out
+                    self._retain_idle()
+                else:  # quiet for flush_s: what is pending is written (a crash loses at most that)
+                    self._write(pending)
+                    pending, since = _Pending(), None
                 continue
             if item is None:
                 break
@@ -201,9 +208,21 @@ class TrafficTap:
             why = redact_text(repr(err))
             log.warning("traffic tap %s: a shard of %d requests was not written: %s", self.writer, lost, why)
 
-    def retain(self, now: float | None = None) -> None:
+    def _retain_idle(self) -> None:
+        """Retention without a new shard: on the manifest as storage has it (a restarted replica with no traffic
+        still deletes what aged out). Failures are logged, never raised."""
+        try:
+            if self.storage is None:
+                self.storage = open_storage(self.cfg.output)
+            with self._lock:
+                self.records = self._read_manifest()
+            self.retain(self.clock(), rewrite=False)
+        except Exception as err:  # noqa: BLE001 (a tap failure never reaches a request)
+            log.warning("traffic tap %s: retention failed: %s", self.writer, redact_text(repr(err)))
+
+    def retain(self, now: float | None = None, rewrite: bool = True) -> None:
         """Delete this writer's oldest shards beyond max_bytes and every one older than max_age_hours; rewrite
-        its manifest."""
+        its manifest (only when something went, unless `rewrite`)."""
         now = self.clock() if now is None else now
         with self._lock:
             records = sorted(self.records, key=lambda r: r["written_at"])
@@ -219,7 +238,8 @@ class TrafficTap:
             self.storage.delete(r["name"])
             self.storage.delete(r["name"] + ".json")
             self.stats.deleted_shards += 1
-        self._write_manifest()
+        if rewrite or gone:
+            self._write_manifest()
         self.stats.deleted_shards += _delete_expired_writers(self.storage, self.cfg.max_age_hours, now, self.writer)
 
     def _manifest_name(self) -> str:

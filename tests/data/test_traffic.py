@@ -6,6 +6,7 @@ restarts and beside `delete_traffic`."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -244,3 +245,24 @@ def test_adaptation_data_holds_out_the_newest_traffic_and_replays_the_corpus(tmp
     assert torch.equal(held[0].input_ids, last.input_ids) and torch.equal(held[0].aux_hidden, last.aux_hidden)
     with pytest.raises(AerieError, match="at least 2 are needed"):
         adaptation_data(storage, tmp_path / "again", since=traffic_shards(storage)[-2]["written_at"])
+
+
+def test_a_writer_with_no_traffic_still_deletes_what_aged_out_even_after_a_restart(tmp_path):
+    clock = Clock()
+    storage = LocalStorage(tmp_path / "traffic")
+    tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6, max_age_hours=1)
+    tap.offer(captured_request(0))
+    tap.close()
+    assert len(traffic_shards(storage)) == 1
+    # the replica restarts and nobody sends a request: retention runs on its own every retain_every_s
+    tap = _tap(tmp_path, storage, clock=clock, shard_tokens=6, max_age_hours=1, retain_every_s=0.02)
+    time.sleep(0.2)
+    assert len(traffic_shards(storage)) == 1  # still fresh: nothing deleted, nothing rewritten wrongly
+    clock.t += 2 * 3600
+    deadline = time.monotonic() + 10
+    while traffic_shards(storage) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    tap.close()
+    assert traffic_shards(storage) == []
+    assert not [n for n in storage.names() if n.endswith(".safetensors")]
+    assert tap.stats.deleted_shards == 1
