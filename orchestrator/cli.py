@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print("interrupted: stopped", file=sys.stderr)
         return 130
 
 

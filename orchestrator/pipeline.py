@@ -102,7 +102,7 @@ class DeployStage(StageFile):
 
 
 class BenchmarkStage(StageFile):
-    enabled: bool = True
+    enabled: bool = Field(True, description="run the benchmark stage (false: skipped)")
 
 
 @dataclass(frozen=True)
@@ -129,21 +129,31 @@ class PipelineConfig(StrictModel):
 
     name: str = Field(description="the pipeline's name: its MLflow runs and training runs are named after it")
     model: str = Field(description="target: a Hugging Face directory or a packaged model name")
-    models_dir: str = "models"
+    models_dir: str = Field("models", description="where a packaged target is prepared (the evaluate stage's too)")
     registered_model: str = Field(description="MLflow registered model the drafters become versions of")
     production_alias: str = Field("production", description="the alias of the drafter in production")
     collect: StageFile | None = Field(None, description="the collection job (the pipeline's data)")
     traffic: TrafficStage | None = Field(None, description="served traffic instead of a collection (jobs.adapt)")
-    train: TrainStage
-    evaluate: StageFile
-    gate: GateConfig = Field(default_factory=GateConfig)
-    deploy: DeployStage
-    benchmark: BenchmarkStage
+    train: TrainStage = Field(
+        description="the training stage: a jobs.train_drafter config (model, data and registry wired), per variant"
+    )
+    evaluate: StageFile = Field(
+        description="the evaluation stage: a jobs.evaluate_drafter config (model, data and drafters wired)"
+    )
+    gate: GateConfig = Field(
+        default_factory=GateConfig, description="when the candidate passes: its tau against production's"
+    )
+    deploy: DeployStage = Field(
+        description="the rollout stage: a jobs.deploy config (the candidate drafter wired) and when it runs"
+    )
+    benchmark: BenchmarkStage = Field(
+        description="the serving benchmark stage: a jobs.benchmark_serving config, run on the candidate"
+    )
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS, else a running local Ray, else a private one")
     mlflow_tracking_uri: str | None = Field(
         None, description="None: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db"
     )
-    mlflow_experiment: str = "aerie-pipelines"
+    mlflow_experiment: str = Field("aerie-pipelines", description="MLflow experiment of the pipeline's parent run")
     output_dir: str = Field(description="state.json, the stages' outputs, report.json / report.md and plots")
 
     @model_validator(mode="after")

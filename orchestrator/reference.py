@@ -199,6 +199,13 @@ def nested_models(tp, path: str) -> list[tuple[str, type[BaseModel]]]:
 def field_rows(model: type[BaseModel], prefix: str = "", instance=None, stack: tuple = ()) -> list[list[str]]:
     """One row per field of `model` and, recursively, of the models in its fields' types (each model once per
     path: a model that contains itself stops there). `instance`: the parent's default, whose values are shown."""
+    return [row for _, _, row in field_entries(model, prefix, instance, stack)]
+
+
+def field_entries(
+    model: type[BaseModel], prefix: str = "", instance=None, stack: tuple = ()
+) -> list[tuple[type[BaseModel], str, list[str]]]:
+    """`field_rows`, each row with the model whose field it is and the field's name."""
     rows = []
     for name, field in model.model_fields.items():
         if instance is not None:
@@ -212,12 +219,11 @@ def field_rows(model: type[BaseModel], prefix: str = "", instance=None, stack: t
         description = field.description or source_docs(model).get(name) or ""
         if not description and nested:
             description = first_paragraph(nested[0][1].__doc__)
-        rows.append(
-            [code(prefix + name), cell(type_name(field.annotation)), default, constraints(field), cell(description)]
-        )
+        row = [code(prefix + name), cell(type_name(field.annotation)), default, constraints(field), cell(description)]
+        rows.append((model, name, row))
         for path, sub in nested:
             own = value if path == prefix + name and isinstance(value, sub) else None
-            rows += field_rows(sub, path + ".", own, (*stack, model, sub))
+            rows += field_entries(sub, path + ".", own, (*stack, model, sub))
     return rows
 
 

@@ -121,6 +121,43 @@ def test_a_model_that_contains_itself_is_listed_once_per_level():
     assert [r[0] for r in rows] == ["`label`", "`children`"]
 
 
+def _undescribed(models: list[type[BaseModel]]) -> list[str]:
+    """`Model.field` of every field the reference renders for `models` (nested models too, as `field_table`
+    walks them) without `Field(description=...)`, named after the class that declares it."""
+    missing = set()
+    for model in models:
+        for owner, name, _ in reference.field_entries(model, stack=(model,)):
+            if not owner.model_fields[name].description:
+                declared = next(k for k in owner.__mro__ if name in vars(k).get("__annotations__", {}))
+                missing.add(f"{declared.__name__}.{name}")
+    return sorted(missing)
+
+
+def test_every_field_of_the_job_and_serve_configs_has_a_description():
+    from orchestrator.serving.protocol import Limits
+
+    models = [config for _, config, _ in reference.jobs()] + [*reference.serve_models().values(), Limits]
+    missing = _undescribed(models)
+    assert not missing, (
+        "config fields in docs/reference/jobs.md and serve.md without a description: give each a "
+        "Field(..., description=...): " + ", ".join(missing)
+    )
+
+
+def test_a_field_without_a_description_is_named():
+    class Inner(BaseModel):
+        depth: int = 1
+
+    class Outer(BaseModel):
+        inner: Inner = Field(default_factory=Inner, description="nested")
+        rate: float = Field(0.5, description="share of requests")
+
+    class Derived(Outer):
+        count: int = 2
+
+    assert _undescribed([Derived]) == ["Derived.count", "Inner.depth"]
+
+
 def test_the_shared_routes_are_the_disaggregated_servers():
     from fastapi.routing import APIRoute
 
@@ -196,3 +233,18 @@ def test_only_repository_paths_are_checked():
     assert _repository_path("orchestrator/serving/app.py:build_app") == "orchestrator/serving/app.py"
     assert _repository_path("configs/<model>/serve.yaml") is None
     assert _repository_path("data") is None
+
+
+def test_the_architecture_page_names_every_layer_and_module_of_layout():
+    """docs/architecture.md's hand-written layer table stays in step with orchestrator/layout.py."""
+    from orchestrator.layout import LAYERS
+
+    page = (REPO / "docs" / "architecture.md").read_text()
+    missing = [
+        f"{name}: {prefix}"
+        for name, _, prefixes in LAYERS
+        for prefix in prefixes
+        if f"`{prefix.replace('.', '/')}/`" not in page and f"`{prefix.replace('.', '/')}.py`" not in page
+    ]
+    missing += [name for name, _, _ in LAYERS if f"| {name} |" not in page]
+    assert not missing, f"docs/architecture.md does not name: {missing}"

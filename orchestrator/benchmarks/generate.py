@@ -41,7 +41,11 @@ class BenchmarkGenerateConfig(StrictModel):
     num_prompts: int = Field(16, ge=1, description="prompts taken from the set (MT-Bench: questions)")
     max_tokens: int = Field(64, ge=1, description="tokens generated per prompt (EOS ignored)")
     batch_sizes: list[int] = Field([1, 4, 16], min_length=1, description="requests decoded together")
-    engines: list[Engine] = Field(["local", "transformers", "vllm"], min_length=1)
+    engines: list[Engine] = Field(
+        ["local", "transformers", "vllm"],
+        min_length=1,
+        description="engines measured, in turn (transformers: batch 1 only; spec, vllm-spec: with the drafter)",
+    )
     output_dir: str = Field(description="where result.json goes")
     models_dir: str = Field("models", description="where packaged models are prepared")
     vllm_kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE")

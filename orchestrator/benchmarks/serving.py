@@ -46,11 +46,17 @@ class BenchmarkServingConfig(StrictModel):
         description="more deployments of `app`, each with these extra overrides, in the same interleaved run (e.g. "
         "{tap: [tap.enabled=true]}); arm_ratios: each arm's per-user tokens/s over the app's, paired, per mode",
     )
-    modes: list[Literal["spec", "no-spec"]] = Field(["spec", "no-spec"], min_length=1)
+    modes: list[Literal["spec", "no-spec"]] = Field(
+        ["spec", "no-spec"],
+        min_length=1,
+        description="speculation on (spec), off (no-spec): each a deployment of every backend; the speedup needs both",
+    )
     concurrency: list[int] = Field([1, 4, 16], min_length=1, description="users sending requests at once")
     requests_per_user: int = Field(2, ge=1, description="requests = concurrency x this (at least min_requests)")
     repeats: int = Field(3, ge=1, description="runs of each level per mode, interleaved (ABBA...): pairs for the CI")
-    min_requests: int = Field(4, ge=1)
+    min_requests: int = Field(
+        4, ge=1, description="fewest requests per level and run; also the prompts of the in-process comparison"
+    )
     warmup_per_user: int = Field(
         1, ge=0, description="unmeasured requests per user before each level (the scheduler learns its rates)"
     )

@@ -101,11 +101,19 @@ class CollectConfig(StrictModel):
 
     model: str = Field(description="target: a Hugging Face directory or a packaged model name")
     models_dir: str = Field("models", description="where packaged models are prepared")
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[SourceConfig] = Field(min_length=1, description="where the conversations come from, by weight")
     max_conversations: int | None = Field(None, ge=1, description="total over sources, split by weight")
-    validation_fraction: float = Field(0.05, ge=0, lt=1)
-    templates: list[TemplateVariant] = Field(default_factory=lambda: [TemplateVariant(name="default")], min_length=1)
-    max_length_tokens: int = Field(2048, ge=2)
+    validation_fraction: float = Field(
+        0.05, ge=0, lt=1, description="share of conversations held out as the validation split (by a hash of the id)"
+    )
+    templates: list[TemplateVariant] = Field(
+        default_factory=lambda: [TemplateVariant(name="default")],
+        min_length=1,
+        description="chat template variants: every conversation is rendered under each",
+    )
+    max_length_tokens: int = Field(
+        2048, ge=2, description="tokens per sequence: longer conversations are truncated, generated ones stop there"
+    )
     aux_layer_ids: list[int] | None = Field(None, description="default: vLLM's (2, N//2, N-3)")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="the shards' precision")
     compute_dtype: DtypeName = Field(
@@ -122,8 +130,10 @@ class CollectConfig(StrictModel):
     shard_tokens: int = Field(65536, ge=1, description="tokens per shard (whole sequences)")
     batch_tokens: int = Field(4096, ge=1, description="tokens per target forward")
     output: str = Field(description="local directory or s3://bucket/prefix")
-    num_workers: int = Field(1, ge=1)
-    worker: WorkerResources = Field(default_factory=lambda: WorkerResources(torch_threads=2))
+    num_workers: int = Field(1, ge=1, description="capture workers (target replicas), at most one per pending shard")
+    worker: WorkerResources = Field(
+        default_factory=lambda: WorkerResources(torch_threads=2), description="what each capture worker reserves"
+    )
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
     max_new_shards: int | None = Field(None, ge=0, description="write at most this many shards, then stop")
     regenerate: RegenerateConfig | None = Field(None, description="replace assistant turns by the target's own")

@@ -49,13 +49,17 @@ TOPICS = (
 
 class SyntheticConfig(StrictModel):
     num_conversations: int = Field(ge=1, description="conversations to keep (more are sampled to allow for filtering)")
-    topics: list[str] = Field(default_factory=lambda: list(TOPICS), min_length=1)
+    topics: list[str] = Field(
+        default_factory=lambda: list(TOPICS),
+        min_length=1,
+        description="subjects the system prompt steers the target's prompts to, taken in turn",
+    )
     user_turns: int = Field(1, ge=1, le=4, description="user turns per conversation (follow-ups after answers)")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(0.95, gt=0, le=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the user turns the target writes")
+    top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling of the user turns: share of probability kept")
     max_prompt_tokens: int = Field(96, ge=8, description="a prompt still unfinished here is dropped as truncated")
-    min_prompt_chars: int = Field(12, ge=1)
-    seed: int = 0
+    min_prompt_chars: int = Field(12, ge=1, description="a user turn shorter than this (characters) is dropped")
+    seed: int = Field(0, description="seed of the user turns' sampling (also in the conversations' ids)")
 
 
 class RegenerateConfig(StrictModel):

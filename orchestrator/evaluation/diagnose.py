@@ -37,17 +37,21 @@ class DiagnoseConfig(StrictModel):
     """`python -m jobs.diagnose_drafter` settings."""
 
     model: str = Field(description="target: a Hugging Face directory or a packaged model name")
-    models_dir: str = "models"
-    drafters: list[DrafterRef] = Field(min_length=1)
+    models_dir: str = Field("models", description="where packaged models are prepared")
+    drafters: list[DrafterRef] = Field(min_length=1, description="the drafters probed, on the same prompts")
     contexts: list[int] = Field([256, 1024, 4096], min_length=1, description="context lengths (tokens) to probe")
-    prompts_per_context: int = Field(4, ge=1)
+    prompts_per_context: int = Field(
+        4, ge=1, description="prompts per context length (an MT-Bench question after earlier conversations)"
+    )
     answer_tokens: int = Field(48, ge=2, description="greedy answer tokens whose drafting rows are measured")
     depth: int = Field(5, ge=1, description="drafting depths measured (a chain this long)")
     sink_tokens: int = Field(4, ge=1, description="the first positions counted as sinks")
-    output_dir: str
-    mlflow_tracking_uri: str | None = None
-    mlflow_experiment: str = "aerie-diagnostics"
-    torch_threads: int = Field(2, ge=1)
+    output_dir: str = Field(description="result.json, table.md and a plot per part")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="None: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db"
+    )
+    mlflow_experiment: str = Field("aerie-diagnostics", description="MLflow experiment of the diagnosis's run")
+    torch_threads: int = Field(2, ge=1, description="torch intra-op threads")
 
 
 def attention_masses(drafter, input_ids: torch.Tensor, aux: torch.Tensor, rows: torch.Tensor, depth: int, sinks: int):

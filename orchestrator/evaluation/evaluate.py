@@ -51,25 +51,28 @@ class EvalConfig(StrictModel):
     """`python -m jobs.evaluate_drafter` settings."""
 
     model: str = Field(description="target: a Hugging Face directory or a packaged model name")
-    models_dir: str = "models"
-    drafters: list[DrafterRef] = Field(min_length=1)
+    models_dir: str = Field("models", description="where packaged models are prepared")
+    drafters: list[DrafterRef] = Field(min_length=1, description="the drafters compared, on the same prompts")
     data: str | None = Field(None, description="collection whose validation split is evaluated (None: skip)")
-    sets: SetsConfig = Field(default_factory=SetsConfig)
+    sets: SetsConfig = Field(default_factory=SetsConfig, description="the prompts of each evaluation set")
     methods: dict[str, SpecConfig] = Field(
         default_factory=lambda: {
             "chain-5": SpecConfig(method="chain", num_spec_tokens=5),
             "tree": SpecConfig(method="tree", depth=5, topk=4, budget=16),
         },
         min_length=1,
+        description="speculation methods each drafter runs, by the name the report gives them",
     )
     max_tokens: int = Field(96, ge=1, description="tokens generated per prompt (greedy, stops at EOS)")
     batch_size: int = Field(16, ge=1, description="requests decoded together (greedy output does not depend on it)")
     vllm_check: bool = Field(True, description="cross-check the first chain method's tau with vLLM on every set")
     vllm_tolerance: float = Field(0.05, ge=0, description="relative tau difference reported as a disagreement")
     output_dir: str = Field(description="result.json, table.md and plots")
-    mlflow_tracking_uri: str | None = None
-    mlflow_experiment: str = "aerie-evaluations"
-    torch_threads: int = Field(2, ge=1)
+    mlflow_tracking_uri: str | None = Field(
+        None, description="None: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db"
+    )
+    mlflow_experiment: str = Field("aerie-evaluations", description="MLflow experiment of the evaluation's run")
+    torch_threads: int = Field(2, ge=1, description="torch intra-op threads")
 
 
 def build_sets(cfg: EvalConfig, model_dir: Path, tokenizer, eos) -> list[EvalPrompt]:

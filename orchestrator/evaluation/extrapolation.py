@@ -49,9 +49,11 @@ class ExtrapolationConfig(StrictModel):
     """`python -m jobs.extrapolation` settings: the collect and train job configs, what varies, the evaluation."""
 
     collect: str = Field(description="collect config of the short, single-template training data")
-    collect_overrides: list[str] = []
+    collect_overrides: list[str] = Field([], description="key=value overrides of the collect config")
     train: str = Field(description="train config: the budget and everything but variant, seed, name and paths")
-    train_overrides: list[str] = []
+    train_overrides: list[str] = Field(
+        [], description="key=value overrides of the train config (the arm, seed, name and paths are set over them)"
+    )
     sets: SetsConfig = Field(
         default_factory=lambda: SetsConfig(
             mtbench_questions=0,
@@ -62,7 +64,10 @@ class ExtrapolationConfig(StrictModel):
         ),
         description="evaluation prompts (the conditions pool their sets and labels)",
     )
-    spec: SpecConfig = Field(default_factory=lambda: SpecConfig(method="chain", num_spec_tokens=5))
+    spec: SpecConfig = Field(
+        default_factory=lambda: SpecConfig(method="chain", num_spec_tokens=5),
+        description="the speculation method every drafter is evaluated with",
+    )
     max_tokens: int = Field(96, ge=1, description="tokens generated per prompt (greedy, stops at EOS)")
     variants: list[str] = Field(["eagle3", "eagle3.1"], min_length=2, max_length=2, description="baseline, candidate")
     arms: dict[str, list[str]] | None = Field(
@@ -78,10 +83,16 @@ class ExtrapolationConfig(StrictModel):
         """Each compared arm's training overrides (the variants' by default)."""
         return self.arms or {v: [f"drafter.variant={v}"] for v in self.variants}
 
-    seeds: list[int] = Field([0, 1, 2], min_length=1)
-    output_dir: str
-    mlflow_tracking_uri: str | None = None
-    mlflow_experiment: str = "aerie-experiments"
+    seeds: list[int] = Field(
+        [0, 1, 2], min_length=1, description="each arm is trained once per seed (drafter.seed and seed)"
+    )
+    output_dir: str = Field(
+        description="state.json, the drafters, the evaluation, result.json, table.md and ratios.png"
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="None: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db"
+    )
+    mlflow_experiment: str = Field("aerie-experiments", description="MLflow experiment of the experiment's run")
 
 
 def run_extrapolation(cfg: ExtrapolationConfig) -> dict:

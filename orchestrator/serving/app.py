@@ -58,9 +58,15 @@ class SpecServeConfig(ServedModel):
         None, ge=16, description="context per request (prompt + output); sizes the KV caches (default: the model's)"
     )
     spec: SpecConfig = Field(default_factory=SpecConfig, description="draft tree shape per request")
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    target: WorkerResources = Field(default_factory=WorkerResources)
-    draft: WorkerResources = Field(default_factory=WorkerResources)
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="how requests are batched and drafted"
+    )
+    target: WorkerResources = Field(
+        default_factory=WorkerResources, description="what the target worker of each replica reserves and where it runs"
+    )
+    draft: WorkerResources = Field(
+        default_factory=WorkerResources, description="what the draft worker of each replica reserves and where it runs"
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
         None, description="put the two workers in one placement group with this strategy"
     )

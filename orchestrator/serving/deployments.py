@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import re
 import time
 from collections.abc import Callable
@@ -20,8 +19,6 @@ from orchestrator.serving.launch import app_resources
 from orchestrator.serving.placement import PlacementWatch, check_placeable, fmt_resources, wait_running
 from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig, forget_routes
 from orchestrator.spec.acceptance import Acceptance
-
-log = logging.getLogger(__name__)
 
 
 class EventLog:
@@ -38,7 +35,6 @@ class EventLog:
     def __call__(self, what: str, **details) -> None:
         entry = {"t": self.now(), "event": what, **details}
         self.events.append(entry)
-        log.info("%s %s", what, json.dumps(details, default=str))
         say(f"[deploy {entry['t']:7.1f}s] {what} {json.dumps(details, default=str)}")
 
 

@@ -41,8 +41,11 @@ class CalibrationConfig(StrictModel):
 class Setup(StrictModel):
     """One way to serve the target."""
 
-    name: str
-    kind: Literal["target-only", "colocated", "disaggregated"]
+    name: str = Field(description="the setup's row in the table, its line in the plot and its MLflow metrics")
+    kind: Literal["target-only", "colocated", "disaggregated"] = Field(
+        description="target-only: speculation off; colocated: the drafter on the target's GPUs, drafting every "
+        "round (vLLM's EAGLE); disaggregated: the drafter on a GPU of its own, pipelined"
+    )
     serve_config: str | None = Field(
         None, description="take spec and scheduler from this Serve config's args (what `aerie serve` would run)"
     )
@@ -64,26 +67,30 @@ class PlanConfig(StrictModel):
     """`python -m jobs.plan` settings: `calibration`, or a GPU plan (gpu, network, target, drafter, setups)."""
 
     calibration: CalibrationConfig | None = Field(None, description="fit and check the simulator on this machine")
-    gpu: Accelerator | None = None
-    network: Network | None = None
-    target: ModelShape | None = None
-    target_placement: Placement = Field(default_factory=Placement)
-    drafter: ModelShape | None = None
-    acceptance: AcceptanceProfile | None = None
+    gpu: Accelerator | None = Field(None, description="the GPU of a GPU plan (or from `hardware: FILE`)")
+    network: Network | None = Field(None, description="the links between GPUs (or from `hardware: FILE`)")
+    target: ModelShape | None = Field(None, description="the target's shape")
+    target_placement: Placement = Field(
+        default_factory=Placement, description="the target's GPUs (a colocated drafter's too)"
+    )
+    drafter: ModelShape | None = Field(None, description="the drafter's shape (setups that speculate)")
+    acceptance: AcceptanceProfile | None = Field(None, description="how often the target accepts draft tokens")
     acceptance_source: str = Field("", description="where the acceptance profile comes from")
     setups: list[Setup] = Field([], description="ways to serve, each simulated at every concurrency")
-    users: list[int] = Field([1, 4, 16, 64], min_length=1)
-    max_batch: int = Field(64, ge=1)
+    users: list[int] = Field([1, 4, 16, 64], min_length=1, description="concurrencies: users in a closed loop")
+    max_batch: int = Field(
+        64, ge=1, description="the scheduler's max_batch (requests) unless serve_config or a setup's scheduler sets it"
+    )
     requests_per_user: int = Field(4, ge=1, description="requests per level = users x this (at least 32)")
-    prompt_tokens: list[int] = Field([1024], min_length=1)
-    max_tokens: int = Field(256, ge=1)
+    prompt_tokens: list[int] = Field([1024], min_length=1, description="prompt lengths (tokens), drawn uniformly")
+    max_tokens: int = Field(256, ge=1, description="tokens generated per request (no EOS, as the benchmark's)")
     published: dict[str, dict[int, float]] = Field(
         {}, description="published speed-ups to show beside the simulated ones: {label: {users: x}}"
     )
     published_tok_s: dict[str, dict[int, float]] = Field(
         {}, description="published per-user tok/s of a setup, by its name: shown beside the simulated ones"
     )
-    slo: Slo | None = None
+    slo: Slo | None = Field(None, description="a service level objective: the GPUs each setup needs to meet it")
     sweep: bool = Field(
         False,
         description="against each adaptive disaggregated setup, fixed settings (speculation off, chains of 1-5, the "
