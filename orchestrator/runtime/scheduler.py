@@ -4,7 +4,7 @@
                                               └─────────> DraftWorker  (in-process, or a Ray actor on a draft node)
 
 The one driver of speculative decoding: the HTTP server runs it over Ray actors, the in-process engine over
-local objects. Live requests are split into micro-batches (two by default) that take turns, each running
+local objects. Live requests may be split into two micro-batches (`micro_batches: 2`) that take turns, each running
 
     admit waiting requests (prefill) -> draft -> BudgetPolicy picks the nodes to verify -> verify -> deliver
 
@@ -56,7 +56,13 @@ class SchedulerConfig(StrictModel):
 
     max_batch: int = Field(16, ge=1, description="requests decoded at once (KV slots of each worker)")
     budget_tokens: int = Field(64, ge=1, description="global verification budget: tokens per target round")
-    micro_batches: int = Field(2, ge=1, le=2, description="groups that take turns (2: pipelined)")
+    micro_batches: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="groups that take turns (2: one drafts while the other verifies, but a memory-bound target step "
+        "then reads its weights twice per round; jobs.plan finds 1 faster on GB200 and CPUs alike)",
+    )
     adaptive: bool = Field(True, description="trim trees and skip drafting by measured speed (False: whole trees)")
     request_timeout_s: float = Field(300.0, gt=0, description="every request ends by then")
     worker_timeout_s: float = Field(120.0, gt=0, description="a worker call that takes longer counts as failed")
