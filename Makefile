@@ -50,11 +50,12 @@ lint: install
 	$(VENV)/bin/ruff check orchestrator jobs tests
 	$(VENV)/bin/ruff format --check orchestrator jobs tests
 
-# docs/reference/ regenerated from the code (configs, CLI, HTTP surface, metrics, layers), then the site in runs/site;
+# docs/reference/ regenerated from the code (configs, CLI, HTTP surface, metrics, layers), then the site in runs/site
+# (Material for MkDocs: maintained until May 2027, Zensical is its successor and reads the same mkdocs.yml);
 # tests/test_docs.py fails when a reference page is stale or the strict build breaks.
 docs: install
 	$(PY) -m orchestrator.reference
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 benchmark: install
 	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)
