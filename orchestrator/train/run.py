@@ -12,7 +12,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -248,7 +252,7 @@ def run_training(cfg: TrainConfig) -> dict:
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         ),
     )
-    with TrainingBar(mlflow, run_id, cfg):
+    with TrainingBar(mlflow, run_id, cfg), _ctrl_c_restored():
         result = trainer.fit()
     if online:  # the capture actors' memory: the other half of online training's footprint
         peaks = ray.get([w.peak_rss_mib.remote() for w in online["workers"]])
@@ -368,3 +372,18 @@ def _is_export(path: Path) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+
+
+@contextmanager
+def _ctrl_c_restored() -> Iterator[None]:
+    """Ray Train's `fit()` installs a SIGINT handler (Ctrl-C aborts the run gracefully) and never removes it: in
+    a pipeline, a Ctrl-C during a later stage would only log "Received SIGINT" and the job would go on. The
+    handler from before `fit()` comes back after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
