@@ -66,33 +66,37 @@ benchmark: install
 # The broad SmolLM2 drafters, in stages that each end in a committed artifact and resume from it on a fresh clone:
 #   corpus   data/smollm2-broad: the target's own conversations, gzip JSONL, committed chunk by chunk (a rerun
 #            reuses every committed chunk; a stopped run loses at most the chunk it was writing)
-#   capture  runs/collect/smollm2-broad: hidden states of that corpus (GBs: never committed, remade from data/)
-#   train    EAGLE-3.1 and the EAGLE-3 baseline, each going on from its committed weights in drafters/ (data
-#            position and token count carry over; AdamW's moments do not), TRAIN_MINUTES per variant per run
+#   train    EAGLE-3.1 and the EAGLE-3 baseline, each going on from its committed weights in drafters/, hidden
+#            states captured online from the corpus as training reads them (nothing to remake on a fresh clone; each
+#            run starts at the shard the last one stopped at; AdamW's moments do not carry over), TRAIN_MINUTES per
+#            variant per run; VARIANTS="eagle3.1" trains only that one
 #   evaluate tau table (MT-Bench, held-out, long contexts, templates; vLLM cross-check)
 #   export   drafters/smollm2-135m-broad-*: bf16 + provenance.json (config, corpus manifest, tokens, runs, tau), committed
 BROAD := configs/smollm2-135m
 TRAIN_MINUTES ?= 60
+VARIANTS ?= eagle3.1 eagle3
 COMMIT ?= 1
 corpus: install
 	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)
 	$(PY) -m jobs.collect_hidden_states --config $(BROAD)/collect-broad.yaml max_new_shards=0
 
 drafters: corpus
-	$(PY) -m jobs.collect_hidden_states --config $(BROAD)/collect-broad.yaml
-	$(PY) -m jobs.train_drafter --config $(BROAD)/train-broad.yaml max_time_minutes=$(TRAIN_MINUTES)
-	$(PY) -m jobs.train_drafter --config $(BROAD)/train-broad.yaml max_time_minutes=$(TRAIN_MINUTES) \
-		name=smollm2-broad-eagle3 drafter.variant=eagle3 drafter.continue_from=drafters/smollm2-135m-broad-eagle3 \
-		output=models/drafters/smollm2-broad-eagle3 mlflow.aliases=[eagle3]
-	$(PY) -m jobs.evaluate_drafter --config $(BROAD)/evaluate-broad.yaml
-	for v in eagle3.1 eagle3; do \
-		$(VENV)/bin/aerie convert-drafter models/drafters/smollm2-broad-$$v --out drafters/smollm2-135m-broad-$$v \
-			--train-config $(BROAD)/train-broad.yaml --data runs/collect/smollm2-broad \
-			--evaluation runs/evaluate/smollm2-broad/result.json --evaluation-name $$v || exit 1; \
+	for v in $(VARIANTS); do \
+		alias=$$(echo $$v | tr . -); \
+		$(PY) -m jobs.train_drafter --config $(BROAD)/train-broad.yaml max_time_minutes=$(TRAIN_MINUTES) \
+			name=smollm2-broad-$$v drafter.variant=$$v drafter.continue_from=drafters/smollm2-135m-broad-$$v \
+			output=models/drafters/smollm2-broad-$$v "mlflow.aliases=[$$alias]" || exit 1; \
 	done
-	test "$(COMMIT)" != 1 || git add drafters/smollm2-135m-broad-eagle3.1 drafters/smollm2-135m-broad-eagle3
+	$(PY) -m jobs.evaluate_drafter --config $(BROAD)/evaluate-broad.yaml \
+		"drafters=[$$(for v in $(VARIANTS); do printf '{name: %s, source: models/drafters/smollm2-broad-%s},' $$v $$v; done)]"
+	for v in $(VARIANTS); do \
+		$(VENV)/bin/aerie convert-drafter models/drafters/smollm2-broad-$$v --out drafters/smollm2-135m-broad-$$v \
+			--train-config $(BROAD)/train-broad.yaml --data $(BROAD)/collect-broad.yaml \
+			--evaluation runs/evaluate/smollm2-broad/result.json --evaluation-name $$v || exit 1; \
+		test "$(COMMIT)" != 1 || git add drafters/smollm2-135m-broad-$$v || exit 1; \
+	done
 	test "$(COMMIT)" != 1 || git diff --cached --quiet -- drafters || \
-		git commit -q -m "drafters: smollm2-135m-broad EAGLE-3.1 and EAGLE-3, trained on (provenance.json)" -- drafters
+		git commit -q -m "drafters: smollm2-broad $(VARIANTS), $(TRAIN_MINUTES) more minutes each (provenance.json)" -- drafters
 
 # The earlier quick drafters (configs/smollm2-135m/collect.yaml, train.yaml): EAGLE-3 and EAGLE-3.1 on the same
 # data and budget, evaluated side by side; registered in MLflow, nothing committed.

@@ -169,7 +169,7 @@ def _convert_drafter(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from orchestrator.models.checkpoint import load_drafter, save_drafter
-    from orchestrator.train.run import read_manifest
+    from orchestrator.train.run import planned_collection, read_manifest
 
     src = Path(args.src)
     drafter = load_drafter(src, dtype=args.dtype)
@@ -179,8 +179,9 @@ def _convert_drafter(args: argparse.Namespace) -> int:
     if args.train_config:
         provenance["train_config"] = OmegaConf.to_container(OmegaConf.load(args.train_config))
         provenance["train_config_file"] = args.train_config
-    if args.data:
-        manifest, sha = read_manifest(args.data)
+    if args.data:  # a finished collection, or the collect config an online training read (its plan: same sha256)
+        planned = planned_collection(args.data) if args.data.endswith((".yaml", ".yml")) else None
+        manifest, sha = (planned["manifest"], planned["manifest_sha256"]) if planned else read_manifest(args.data)
         provenance["data"] = {"location": args.data, "manifest_sha256": sha, "datasets": manifest.get("datasets")}
         corpus = (manifest.get("datasets") or {}).get("corpus") or {}
         if corpus:  # the committed corpus the collection was made from (data/...): what remakes it
@@ -411,7 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--train-config", default=None, help="the training config that produced it (recorded)")
-    p.add_argument("--data", default=None, help="the collection it was trained on (its manifest sha256 is recorded)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="the collection it was trained on, or the collect config of an online training (its manifest sha256 is "
+        "recorded)",
+    )
     p.add_argument("--evaluation", default=None, help="an evaluation's result.json: its tau table is recorded")
     p.add_argument("--evaluation-name", default="eagle3.1", help="this drafter's name in that evaluation")
     p.set_defaults(func=_convert_drafter)

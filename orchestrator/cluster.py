@@ -32,7 +32,9 @@ def init_ray(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     if starts_private_ray(address):
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        # address="local": a new Ray even where `ray start` left a cluster on this machine (a bare `ray.init()`
+        # would join that one, and end with it)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=configured_address(address), log_to_driver=False)
 

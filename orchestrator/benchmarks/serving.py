@@ -353,7 +353,7 @@ def load_prompts(source: str, n: int) -> list[dict]:
         if not items:
             raise AerieError(f"{source}: the collection has no validation conversations")
         return [{"prompt": list(item.ids)} for item in items]
-    raise AerieError(f"prompts {source!r}: use 'mtbench' or 'validation:DIR'")
+    raise AerieError(f"prompts {source!r}: use 'mtbench', 'validation:DIR' or 'validation:COLLECT.yaml'")
 
 
 def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:

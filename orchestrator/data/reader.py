@@ -28,6 +28,15 @@ class HiddenStateSequence:
     final_hidden: torch.Tensor  # [T, H]
 
 
+def shard_order(shards: list, seed: int) -> tuple[list, random.Random]:
+    """The order a reader seeded `seed` reads a split's `shards` in (any list of that length: manifest records or
+    shard plans), and the generator it then shuffles sequences with."""
+    rng = random.Random(seed)
+    order = list(shards)
+    rng.shuffle(order)
+    return order, rng
+
+
 class ShardReader:
     def __init__(
         self,
@@ -54,9 +63,7 @@ class ShardReader:
         self.start_shard = self.shards_read = start_shard
 
     def __iter__(self) -> Iterator[HiddenStateSequence]:
-        rng = random.Random(self.seed)
-        order = list(self.shards)
-        rng.shuffle(order)
+        order, rng = shard_order(self.shards, self.seed)
         order = order[self.start_shard :]
         if hasattr(self.storage, "will_read"):  # online shards: capture starts ahead, in this order
             self.storage.will_read([r["name"] for r in order])

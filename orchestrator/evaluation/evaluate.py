@@ -53,7 +53,11 @@ class EvalConfig(StrictModel):
     model: str = Field(description="target: a Hugging Face directory or a packaged model name")
     models_dir: str = Field("models", description="where packaged models are prepared")
     drafters: list[DrafterRef] = Field(min_length=1, description="the drafters compared, on the same prompts")
-    data: str | None = Field(None, description="collection whose validation split is evaluated (None: skip)")
+    data: str | None = Field(
+        None,
+        description="whose validation split is evaluated: a finished collection, or a collect config (*.yaml) whose "
+        "held-out conversations are rendered without capture (None: skip)",
+    )
     sets: SetsConfig = Field(default_factory=SetsConfig, description="the prompts of each evaluation set")
     methods: dict[str, SpecConfig] = Field(
         default_factory=lambda: {

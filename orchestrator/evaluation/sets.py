@@ -9,13 +9,13 @@ templates    MT-Bench first turns under system prompts and chat templates not us
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.data.conversations import LoadReport, load_chitchat
 from orchestrator.data.prompts import mtbench_questions, render_chat
-from orchestrator.data.reader import ShardReader
+from orchestrator.data.reader import ShardReader, shard_order
 from orchestrator.data.templates import LLAMA3_TEMPLATE
 
 PLAIN_TEMPLATE = (
@@ -72,10 +72,26 @@ def mtbench_set(model_dir: Path, tokenizer, eos: Sequence[int], num_questions: i
     return [EvalPrompt("mtbench", "turn 1" if i < half else "turn 2", p) for i, p in enumerate(ids)]
 
 
+def held_out_sequences(data: str) -> Iterator:
+    """The validation split's sequences (token ids and loss mask) in the order a reader takes them: from a finished
+    collection, or, where `data` is a collection config (`*.yaml`; online training keeps no collection), rendered
+    from that config's conversations exactly as its collection would write them, with nothing captured."""
+    if not data.endswith((".yaml", ".yml")):
+        return iter(ShardReader(data, "validation", buffer_sequences=1))
+    from orchestrator.config import load_config
+    from orchestrator.data.collect import CollectConfig, plan_collection
+    from orchestrator.models.prepare import resolve_model
+
+    collect = load_config(CollectConfig, data, [])
+    model_dir = resolve_model(collect.model, collect.models_dir)
+    plans, _ = shard_order([p for p in plan_collection(collect, model_dir).plans if p.split == "validation"], 0)
+    return (seq for plan in plans for seq in plan.sequences)
+
+
 def validation_set(data: str, num_prompts: int) -> list[EvalPrompt]:
     """Held-out conversations up to their first assistant token (as collected: template and system prompt)."""
     out = []
-    for seq in ShardReader(data, "validation", buffer_sequences=1):
+    for seq in held_out_sequences(data):
         first = seq.loss_mask.nonzero()
         if len(first) and int(first[0]) > 0:
             out.append(EvalPrompt("validation", "held-out", seq.input_ids[: int(first[0])].tolist()))

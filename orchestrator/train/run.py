@@ -94,10 +94,18 @@ def _storage_path(location: str):
 def plan_online(cfg: TrainConfig, model_dir: Path) -> dict:
     """`data: online`: the collection's plan (conversations rendered and cut into shards, nothing captured), its
     manifest and that manifest's sha256 (the data's identity in MLflow)."""
+    return planned_collection(cfg.online.collect, cfg.online.overrides, model_dir)
+
+
+def planned_collection(collect_config: str, overrides: list[str] = (), model_dir: Path | None = None) -> dict:
+    """A collect config's plan and the manifest its capture would have, with that manifest's sha256, nothing
+    captured. Without `model_dir`, the config's own target, resolved as training resolves it (same sha256)."""
     from orchestrator.config import load_config
     from orchestrator.data.collect import CollectConfig, online_manifest, plan_collection
 
-    collect = load_config(CollectConfig, cfg.online.collect, [*cfg.online.overrides, f"model={model_dir}"])
+    collect = load_config(CollectConfig, collect_config, list(overrides))
+    model_dir = model_dir or resolve_model(collect.model, collect.models_dir).resolve()
+    collect = collect.model_copy(update={"model": str(model_dir)})
     planned = plan_collection(collect, model_dir)
     manifest = online_manifest(collect, model_dir, planned)
     sha = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()

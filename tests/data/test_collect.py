@@ -180,6 +180,18 @@ def test_reader_streams_every_sequence_once_across_workers(local_run):
     assert first != [s.conversation_id for s in ShardReader(str(local_run), seed=4)]
 
 
+def test_held_out_set_from_the_config_equals_the_collections(config, local_run):
+    """Online training keeps no collection: its evaluation renders the held-out split from the collect config, and
+    must get the very prompts a finished collection's reader gives, in the same order."""
+    from orchestrator.evaluation.sets import validation_set
+
+    manifest = json.loads((local_run / "manifest.json").read_text())
+    assert len([s for s in manifest["shards"] if s["split"] == "validation"]) > 1  # the shard order is exercised
+    collected = validation_set(str(local_run), 100)
+    rendered = validation_set(str(config), 100)
+    assert collected and [p.ids for p in rendered] == [p.ids for p in collected]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,6 +229,19 @@ def test_ray_job_submit_against_a_started_head(config, local_run, tmp_path):
             time.sleep(2)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert (out / "manifest.json").read_text() == (local_run / "manifest.json").read_text()
+        # a job run without RAY_ADDRESS starts its own Ray, not this head (`ray start` noted it as the machine's
+        # latest, which a bare ray.init() joins, and would end with)
+        probe = (
+            "import ray; from orchestrator.cluster import init_ray; init_ray(); "
+            "print(ray.get_runtime_context().gcs_address)"
+        )
+        alone = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+        own = subprocess.run(
+            [sys.executable, "-c", probe], env=alone, capture_output=True, text=True, timeout=300, cwd=REPO
+        )
+        assert own.returncode == 0 and own.stdout.strip() and not own.stdout.strip().endswith(f":{gcs}"), own.stderr[
+            -2000:
+        ]
     finally:
         stop_ray_cluster(gcs)
 

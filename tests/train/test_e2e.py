@@ -304,6 +304,11 @@ def test_the_pipeline_trains_online_without_a_collect_stage(root):
     )
     params = client.get_run(trained["mlflow_run_id"]).data.params
     assert params["data"] == "online" and len(params["data.manifest_sha256"]) == 64
+    # what `make drafters` records of an online training: the collect config's planned manifest, the same sha256
+    bf16 = root / "online-bf16"
+    assert main(["convert-drafter", trained["exported"], "--out", str(bf16), "--data", str(root / "collect.yaml")]) == 0
+    recorded = json.loads((bf16 / "provenance.json").read_text())["data"]
+    assert recorded["manifest_sha256"] == tags["data_manifest_sha256"] and recorded["datasets"]["sources"]
     assert not (root / "online-never-written").exists()
     assert before is None or sorted(p.name for p in data.iterdir()) == before
 
