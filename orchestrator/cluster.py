@@ -32,11 +32,39 @@ def init_ray(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     if starts_private_ray(address):
-        # address="local": a new Ray even where `ray start` left a cluster on this machine (a bare `ray.init()`
-        # would join that one, and end with it)
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        _start_private_ray()
     else:
         ray.init(address=configured_address(address), log_to_driver=False)
+
+
+def _start_private_ray() -> None:
+    """A new Ray on loopback with its own dashboard, which its processes' state API asks (RAY_API_SERVER_ADDRESS
+    in their environment). Without both, Ray finds the cluster `ray start` last noted on this machine instead: a
+    bare `ray.init()` joins it (and ends with it), and Ray Train's placement-group cleaner, not finding its
+    controller there, removes the training's placement group (seen: a training killed when a test head started)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = os.environ.get("RAY_API_SERVER_ADDRESS")
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"  # inherited by the raylet and its workers
+    try:
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=port,
+            log_to_driver=False,
+        )
+    finally:  # this process's own later clients (`ray job submit --address`, other clusters) are not redirected
+        if before is None:
+            os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+        else:
+            os.environ["RAY_API_SERVER_ADDRESS"] = before
 
 
 def ray_logs_dir() -> str | None:

@@ -198,6 +198,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PRIVATE_RAY_PROBE = """
+import ray
+from orchestrator.cluster import init_ray
+from ray.train.v2._internal.state.util import is_actor_alive
+
+init_ray()
+
+@ray.remote(num_cpus=0)
+class Idle:
+    def ping(self):
+        return 1
+
+@ray.remote(num_cpus=0)
+def alive(actor_id):
+    return bool(is_actor_alive(actor_id, timeout=30))
+
+idle = Idle.remote()
+ray.get(idle.ping.remote())
+print(ray.get_runtime_context().gcs_address, ray.get(alive.remote(idle._actor_id.hex())))
+"""
+
+
 def test_ray_job_submit_against_a_started_head(config, local_run, tmp_path):
     """`ray start --head` on loopback, then `ray job submit --working-dir .`: same manifest as a direct run."""
     bin_dir = Path(sys.executable).parent
@@ -230,18 +252,15 @@ def test_ray_job_submit_against_a_started_head(config, local_run, tmp_path):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert (out / "manifest.json").read_text() == (local_run / "manifest.json").read_text()
         # a job run without RAY_ADDRESS starts its own Ray, not this head (`ray start` noted it as the machine's
-        # latest, which a bare ray.init() joins, and would end with)
-        probe = (
-            "import ray; from orchestrator.cluster import init_ray; init_ray(); "
-            "print(ray.get_runtime_context().gcs_address)"
-        )
+        # latest: a bare ray.init() joins it), and its workers' state API asks that Ray (else Ray Train's
+        # placement-group cleaner, not finding its controller here, removes the training's placement group)
         alone = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
         own = subprocess.run(
-            [sys.executable, "-c", probe], env=alone, capture_output=True, text=True, timeout=300, cwd=REPO
+            [sys.executable, "-c", PRIVATE_RAY_PROBE], env=alone, capture_output=True, text=True, timeout=300, cwd=REPO
         )
-        assert own.returncode == 0 and own.stdout.strip() and not own.stdout.strip().endswith(f":{gcs}"), own.stderr[
-            -2000:
-        ]
+        assert own.returncode == 0, own.stderr[-2000:]
+        address, alive = own.stdout.split()[-2:]
+        assert not address.endswith(f":{gcs}") and alive == "True", own.stdout
     finally:
         stop_ray_cluster(gcs)
 
