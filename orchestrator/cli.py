@@ -168,8 +168,9 @@ def _convert_drafter(args: argparse.Namespace) -> int:
     """A drafter in another dtype (vLLM reads any), with where it came from in provenance.json."""
     from omegaconf import OmegaConf
 
+    from orchestrator.data.collect import is_collect_config, planned_collection
     from orchestrator.models.checkpoint import load_drafter, save_drafter
-    from orchestrator.train.run import planned_collection, read_manifest
+    from orchestrator.train.run import read_manifest
 
     src = Path(args.src)
     drafter = load_drafter(src, dtype=args.dtype)
@@ -180,7 +181,7 @@ def _convert_drafter(args: argparse.Namespace) -> int:
         provenance["train_config"] = OmegaConf.to_container(OmegaConf.load(args.train_config))
         provenance["train_config_file"] = args.train_config
     if args.data:  # a finished collection, or the collect config an online training read (its plan: same sha256)
-        planned = planned_collection(args.data) if args.data.endswith((".yaml", ".yml")) else None
+        planned = planned_collection(args.data) if is_collect_config(args.data) else None
         manifest, sha = (planned["manifest"], planned["manifest_sha256"]) if planned else read_manifest(args.data)
         provenance["data"] = {"location": args.data, "manifest_sha256": sha, "datasets": manifest.get("datasets")}
         corpus = (manifest.get("datasets") or {}).get("corpus") or {}

@@ -550,6 +550,32 @@ def online_manifest(cfg: CollectConfig, model_dir: Path, planned: CollectionPlan
     return {**manifest, "online": True}
 
 
+def is_collect_config(location: str) -> bool:
+    """Whether `location` names a collect config (*.yaml) rather than a finished collection (a directory or s3://)."""
+    return location.endswith((".yaml", ".yml"))
+
+
+def planned_collection(collect_config: str, overrides: list[str] = (), model_dir: Path | None = None) -> dict:
+    """A collect config's plan and the manifest its capture would have, with that manifest's sha256, nothing
+    captured (what online training reads). Without `model_dir`, the config's own target, resolved as training
+    resolves it, so the sha256 is the one training logged."""
+    from orchestrator.config import load_config
+    from orchestrator.models.prepare import resolve_model
+
+    collect = load_config(CollectConfig, collect_config, list(overrides))
+    model_dir = model_dir or resolve_model(collect.model, collect.models_dir).resolve()
+    collect = collect.model_copy(update={"model": str(model_dir)})
+    planned = plan_collection(collect, model_dir)
+    manifest = online_manifest(collect, model_dir, planned)
+    return {
+        "manifest": manifest,
+        "manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
+        "plans": planned.plans,
+        "collect": collect,
+        "num_capture_workers": collect.num_workers,
+    }
+
+
 def build_manifest(cfg: CollectConfig, model_dir: Path, hf: dict, aux, provenance: dict, records: list[dict]) -> dict:
     splits = split_totals(records)
     return {

@@ -76,15 +76,11 @@ def held_out_sequences(data: str) -> Iterator:
     """The validation split's sequences (token ids and loss mask) in the order a reader takes them: from a finished
     collection, or, where `data` is a collection config (`*.yaml`; online training keeps no collection), rendered
     from that config's conversations exactly as its collection would write them, with nothing captured."""
-    if not data.endswith((".yaml", ".yml")):
-        return iter(ShardReader(data, "validation", buffer_sequences=1))
-    from orchestrator.config import load_config
-    from orchestrator.data.collect import CollectConfig, plan_collection
-    from orchestrator.models.prepare import resolve_model
+    from orchestrator.data.collect import is_collect_config, planned_collection
 
-    collect = load_config(CollectConfig, data, [])
-    model_dir = resolve_model(collect.model, collect.models_dir)
-    plans, _ = shard_order([p for p in plan_collection(collect, model_dir).plans if p.split == "validation"], 0)
+    if not is_collect_config(data):
+        return iter(ShardReader(data, "validation", buffer_sequences=1))
+    plans, _ = shard_order([p for p in planned_collection(data)["plans"] if p.split == "validation"], 0)
     return (seq for plan in plans for seq in plan.sequences)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from orchestrator.cluster import init_ray
-from orchestrator.data.collect import start_capture_workers
+from orchestrator.data.collect import planned_collection, start_capture_workers
 from orchestrator.data.storage import open_storage, upload_dir
 from orchestrator.errors import AerieError
 from orchestrator.models.checkpoint import ARCHITECTURE, load_drafter
@@ -95,27 +95,6 @@ def plan_online(cfg: TrainConfig, model_dir: Path) -> dict:
     """`data: online`: the collection's plan (conversations rendered and cut into shards, nothing captured), its
     manifest and that manifest's sha256 (the data's identity in MLflow)."""
     return planned_collection(cfg.online.collect, cfg.online.overrides, model_dir)
-
-
-def planned_collection(collect_config: str, overrides: list[str] = (), model_dir: Path | None = None) -> dict:
-    """A collect config's plan and the manifest its capture would have, with that manifest's sha256, nothing
-    captured. Without `model_dir`, the config's own target, resolved as training resolves it (same sha256)."""
-    from orchestrator.config import load_config
-    from orchestrator.data.collect import CollectConfig, online_manifest, plan_collection
-
-    collect = load_config(CollectConfig, collect_config, list(overrides))
-    model_dir = model_dir or resolve_model(collect.model, collect.models_dir).resolve()
-    collect = collect.model_copy(update={"model": str(model_dir)})
-    planned = plan_collection(collect, model_dir)
-    manifest = online_manifest(collect, model_dir, planned)
-    sha = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-    return {
-        "manifest": manifest,
-        "manifest_sha256": sha,
-        "plans": planned.plans,
-        "collect": collect,
-        "num_capture_workers": collect.num_workers,
-    }
 
 
 def _online_loop_config(online: dict, cfg: TrainConfig) -> dict:
