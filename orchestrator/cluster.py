@@ -145,14 +145,29 @@ def connect_to_running_cluster(address: str | None = None) -> str:
     return target
 
 
-class WorkerResources(StrictModel):
+# Ray's own resource of the head node (Ray Train puts its state actor there the same way): the control plane,
+# which lives as long as the cluster, so that losing a worker node never takes the router with it.
+HEAD_NODE = {"node:__internal_head__": 0.001}
+
+
+class Placement(StrictModel):
+    """Where an actor may run: custom resources it takes and node labels it needs."""
+
+    resources: dict[str, float] = Field({}, description="custom resources, e.g. {draft: 1} for the draft node group")
+    label_selector: dict[str, str] = Field({}, description="Ray node labels it must run on, e.g. {aerie/group: target}")
+
+    def placement_options(self) -> dict:
+        """The `resources` and `label_selector` options of an actor (or a Serve replica's ray_actor_options)."""
+        opts: dict = {"resources": self.resources} if self.resources else {}
+        return opts | ({"label_selector": self.label_selector} if self.label_selector else {})
+
+
+class WorkerResources(Placement):
     """What a worker actor reserves on the cluster, where it may run, and how it computes: one model for the
     capture workers and the serving workers."""
 
     num_cpus: float = Field(1.0, ge=0, description="logical CPUs reserved")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved")
-    resources: dict[str, float] = Field({}, description="custom resources, e.g. {draft: 1} for the draft node group")
-    label_selector: dict[str, str] = Field({}, description="Ray node labels the worker must run on")
     device: DeviceName = Field("auto", description="auto: CUDA when the worker has a GPU, else the CPU")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
     env_vars: dict[str, str] = Field({}, description="environment of the worker process, e.g. GOMP_SPINCOUNT")
@@ -171,6 +186,4 @@ class WorkerResources(StrictModel):
         opts: dict = dict(num_cpus=self.num_cpus * devices, num_gpus=self.num_gpus * devices, resources=self.resources)
         if self.env_vars:
             opts["runtime_env"] = {"env_vars": self.env_vars}
-        if self.label_selector:
-            opts["label_selector"] = self.label_selector
-        return opts | extra
+        return opts | self.placement_options() | extra

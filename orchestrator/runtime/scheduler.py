@@ -65,7 +65,13 @@ class SchedulerConfig(StrictModel):
     )
     adaptive: bool = Field(True, description="trim trees and skip drafting by measured speed (False: whole trees)")
     request_timeout_s: float = Field(300.0, gt=0, description="every request ends by then")
-    worker_timeout_s: float = Field(120.0, gt=0, description="a worker call that takes longer counts as failed")
+    worker_timeout_s: float = Field(120.0, gt=0, description="a target call that takes longer counts as failed")
+    draft_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a draft call that takes longer counts as the drafter lost: rounds go on target-only while it is "
+        "polled (a draft node cut off by the network stalls the target this long once, not worker_timeout_s)",
+    )
     max_prefill_attempts: int = Field(2, ge=1, description="prefills a request may lose to worker failures")
 
 

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 from ray import serve
 
-from orchestrator.cluster import WorkerResources
+from orchestrator.cluster import Placement, WorkerResources
 from orchestrator.data.prompts import render_chat
 from orchestrator.data.traffic import TapConfig
 from orchestrator.errors import AerieError
@@ -66,6 +66,12 @@ class SpecServeConfig(ServedModel):
     )
     draft: WorkerResources = Field(
         default_factory=WorkerResources, description="what the draft worker of each replica reserves and where it runs"
+    )
+    server: Placement = Field(
+        default_factory=Placement,
+        description="where each replica (its scheduler, which calls both workers every round) runs; across nodes "
+        "put it on its target's node group ({label_selector: {aerie/group: target}}): the target's pairs for the "
+        "drafter then cross one link, not two, and losing a draft node leaves it serving target-only",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
         None, description="put the two workers in one placement group with this strategy"
@@ -246,9 +252,9 @@ class SpecServer:
             layers = hf["num_hidden_layers"]  # the target captures exactly the drafter's aux layers:
             aux = list(drafter_config_from_hf(drafter.config, target_num_layers=layers).aux_layer_ids)
         self.workers = _Workers(cfg, str(model_dir), aux, eos, drafter)
-        timeout = cfg.scheduler.worker_timeout_s
-        draft = RemoteWorker(self.workers.draft, timeout) if self.workers.draft is not None else None
-        target = RemoteWorker(self.workers.target, timeout)
+        timeouts = cfg.scheduler.draft_timeout_s, cfg.scheduler.worker_timeout_s
+        draft = RemoteWorker(self.workers.draft, timeouts[0]) if self.workers.draft is not None else None
+        target = RemoteWorker(self.workers.target, timeouts[1])
         self.scheduler = SpecScheduler(target, draft, cfg.scheduler, cfg.spec.shape()[2], ServingMetrics(self.name))
         self.started = False
         log.info("serving %s with workers %s", self.name, self.workers.info)
@@ -434,7 +440,7 @@ def build_app(args: dict) -> serve.Application:
         num_replicas=cfg.num_replicas,
         # Serve sends a replica more than its Guard admits, so that the excess gets 429 at once (not a queue).
         max_ongoing_requests=cfg.scheduler.max_batch + cfg.limits.max_queued + 32,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **cfg.server.placement_options()},
         health_check_period_s=10,
     )
     return deployment.bind(cfg.model_dump())

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 from ray import serve
 
+from orchestrator.cluster import HEAD_NODE
 from orchestrator.config import StrictModel
 from orchestrator.serving.guard import Guard, api_keys
 from orchestrator.serving.protocol import RequestError
@@ -143,7 +144,11 @@ def route_table(name: str, routes: list[Route] | None = None):
     """The route table of router application `name`: the live one, else a new one (with the stored routes, or
     `routes` the first time)."""
     return RouteTable.options(
-        name=f"routes-{name}", namespace=ROUTES_NAMESPACE, lifetime="detached", get_if_exists=True
+        name=f"routes-{name}",
+        namespace=ROUTES_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        resources=HEAD_NODE,
     ).remote(name, [r.model_dump() for r in routes or []])
 
 
@@ -158,7 +163,8 @@ def _unavailable(message: str) -> JSONResponse:
 router_api = FastAPI(title="aerie-router")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
+# on the head node (HEAD_NODE), with the route table: no worker node's loss takes a router replica
+@serve.deployment(ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE}, max_ongoing_requests=512)
 @serve.ingress(router_api)
 class Router:
     """Weighted forwarding to backend applications, routes from the route table."""
