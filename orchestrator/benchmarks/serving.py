@@ -97,12 +97,13 @@ async def stream_request(client, url: str, model: str, prompt: dict, max_tokens:
         "stream_options": {"include_usage": True},
     }
     sent = time.perf_counter()
-    stamps, tokens, prompt_tokens, error = [], 0, 0, None
+    stamps, tokens, prompt_tokens, error, done = [], 0, 0, None, False
     endpoint = "chat/completions" if chat else "completions"
     async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"}
         async for line in r.aiter_lines():
+            done = done or line == "data: [DONE]"
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
@@ -114,8 +115,8 @@ async def stream_request(client, url: str, model: str, prompt: dict, max_tokens:
             choice = (event.get("choices") or [{}])[0]
             if (choice.get("delta") or {}).get("content") or choice.get("text"):
                 stamps.append(time.perf_counter())
-    if error or not stamps:
-        return {"error": error or "no tokens"}
+    if error or not stamps or not done:
+        return {"error": error or ("no tokens" if done else "the stream ended without [DONE]")}
     e2e, ttft = stamps[-1] - sent, stamps[0] - sent
     return {
         "tokens": tokens,

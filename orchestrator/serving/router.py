@@ -37,7 +37,7 @@ from ray import serve
 from orchestrator.cluster import HEAD_NODE
 from orchestrator.config import StrictModel
 from orchestrator.serving.guard import Guard, api_keys
-from orchestrator.serving.protocol import RequestError
+from orchestrator.serving.protocol import RequestError, error_body, sse
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +240,8 @@ class Router:
         if upstream.status_code >= 500:
             counts["failed"] += 1
 
+        streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
         async def body():
             try:
                 async for chunk in upstream.aiter_raw():
@@ -247,6 +249,11 @@ class Router:
             except httpx.HTTPError as err:
                 counts["failed"] += 1
                 log.warning("backend %s broke a response: %s", route.app, err)
+                if streaming:  # the client learns it, as from the server's own failures (a cut JSON body shows)
+                    message = "the backend serving this request was lost mid-response; send it again"
+                    yield (
+                        "\n\n" + sse(error_body(message, "server_error", code="backend_lost") | {"status": 503})
+                    ).encode()
             finally:
                 counts["in_flight"] -= 1
                 await upstream.aclose()

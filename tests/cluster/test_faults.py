@@ -87,3 +87,62 @@ def test_draft_link_down_for_30s(netcluster, served):
     print("draft link down 30 s:", out)
     assert out["failed"] == 0, out
     assert out["rounds_while_cut"] > 0, out  # target-only rounds went on (after draft_timeout_s)
+
+
+def test_draft_node_killed(netcluster, served):
+    """Every process of the draft node killed at once: requests go on target-only (none fails); a replacement
+    draft node joins 10 s later and the drafter, restarted there, drafts again."""
+    load, watch = Load(served.url), Watch(served.url)
+    try:
+        t0 = time.monotonic()
+        wait_for(lambda: watch.speculating_since(t0), 120, "speculation under load")
+        killed = time.monotonic()
+        processes = netcluster.kill("draft")
+        time.sleep(10)
+        netcluster.add_node("draft", {"draft": 1})
+        joined = time.monotonic()
+        resumed = wait_for(lambda: watch.speculating_since(joined), 300, "speculation on the replacement node")
+        time.sleep(3)
+    finally:
+        records, rows = load.stop(), watch.stop()
+    during = [r for r in rows if killed <= r[0] <= joined and r[3] is not None]
+    out = summary(records, killed) | {
+        "processes_killed": processes,
+        "rounds_until_replaced": during[-1][3] - during[0][3] if during else 0,
+        "resumed_after_replacement_s": round(resumed - joined, 1),
+        "longest_stall_s": longest_stall(rows),
+    }
+    print("draft node killed:", out)
+    assert out["failed"] == 0, out
+    assert out["rounds_until_replaced"] > 0, out
+
+
+def test_target_node_killed(netcluster, served):
+    """Every process of the target node killed (the target worker and the scheduler with it): requests in flight
+    end with an error the client sees (an HTTP status or the stream's error event, or the stream cut), none hangs
+    past the request timeout; once a replacement target node joins, new requests are served."""
+    load = Load(served.url)
+    try:
+        wait_for(lambda: len(load.records) >= 2, 120, "requests served before the fault")
+        killed = time.monotonic()
+        processes = netcluster.kill("target")
+        time.sleep(10)
+        netcluster.add_node("target", {"target": 1})
+        joined = time.monotonic()
+        served_again = wait_for(
+            lambda: next((r["ended"] for r in load.records if r["sent"] > joined and "error" not in r), None),
+            600,
+            "a request served by the replacement",
+        )
+    finally:
+        records = load.stop()
+    in_flight = [r for r in records if r["sent"] < killed < r["ended"]]
+    out = summary(records, killed) | {
+        "processes_killed": processes,
+        "in_flight_at_kill": len(in_flight),
+        "in_flight_failed": sum("error" in r for r in in_flight),
+        "served_after_replacement_s": round(served_again - joined, 1),
+    }
+    print("target node killed:", out)
+    assert out["in_flight_failed"] == out["in_flight_at_kill"] > 0, out
+    assert out["longest_s"] <= 300 + 30, out  # request_timeout_s (app_args), and the client's own read
