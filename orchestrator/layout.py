@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     (
         "storage",
         "files, S3, hidden-state shards, corpora, prompt sets, the traffic tap, MLflow tracking, Ray cluster set-up",
-        ["orchestrator.data", "orchestrator.tracking", "orchestrator.cluster"],
+        ["orchestrator.data", "orchestrator.tracking", "orchestrator.cluster", "orchestrator.netcluster"],
     ),
     (
         "algorithms",
@@ -70,6 +70,7 @@ LAYERS: list[tuple[str, str, list[str]]] = [
             "orchestrator.pipeline",
             "orchestrator.pipeline_report",
             "orchestrator.demo",
+            "orchestrator.cluster_demo",
             "orchestrator.cli",
             "orchestrator.jobrunner",
             "orchestrator.vllm_plugin",

@@ -3,7 +3,7 @@ address on a bridge, so the traffic between workers crosses a link that can be m
 lost with its node, as between real nodes (tests/cluster/, `make cluster-demo`).
 
     root namespace: bridge aerie-br 198.51.100.1/24 (the test's own address; documentation range, RFC 5737)
-      ├─ veth aerie-v-head   ──  namespace aerie-head    198.51.100.10  ray head (GCS, dashboard, Serve)
+      ├─ veth aerie-v-head   ──  namespace aerie-head    198.51.100.10  ray head (GCS, dashboard, Serve; 0 CPUs)
       ├─ veth aerie-v-target ──  namespace aerie-target  198.51.100.11  ray worker, resources {target: 1}
       └─ veth aerie-v-draft  ──  namespace aerie-draft   198.51.100.12  ray worker, resources {draft: 1}
 
@@ -81,7 +81,7 @@ class NetCluster:
         cluster.link_bytes("draft")           # {rx, tx}: bytes its link carried (as the node sees them)
     """
 
-    def __init__(self, env: dict | None = None, head_cpus: float = 1) -> None:
+    def __init__(self, env: dict | None = None, head_cpus: float = 0) -> None:
         self.env = dict(env or os.environ)
         self.nodes: dict[str, Node] = {}
         self._procs: list[subprocess.Popen] = []
@@ -187,7 +187,10 @@ class NetCluster:
             cmd += ["--head", f"--port={GCS_PORT}", f"--dashboard-host={node.ip}", f"--dashboard-port={DASHBOARD_PORT}"]
         else:
             cmd += [f"--address={self.address}"]
-        started = self.run(node.name, cmd, timeout=180)
+        # the node's processes inherit the raylet's environment: gloo (Ray Train on CPUs) listens on the address
+        # the host name resolves to, which the namespaces share with the machine (loopback): name the interface
+        env = self.env | {"GLOO_SOCKET_IFNAME": "eth0"}
+        started = self.run(node.name, cmd, timeout=180, env=env)
         if started.returncode != 0:
             raise AerieError(f"ray start on node {node.name} failed: {started.stderr[-2000:]}")
         _forget_noted_cluster()
@@ -222,7 +225,11 @@ class NetCluster:
         """Whether the node's raylet runs (Ray ends a raylet that the cluster declared dead once it can tell it)."""
         import psutil
 
-        return any("raylet" in " ".join(psutil.Process(p).cmdline()) for p in self.pids(node) if psutil.pid_exists(p))
+        for pid in self.pids(node):
+            with contextlib.suppress(psutil.Error):
+                if any(part.endswith("/raylet") for part in psutil.Process(pid).cmdline()):
+                    return True
+        return False
 
     # -- faults ----------------------------------------------------------------------------------------------
 
@@ -256,6 +263,28 @@ class NetCluster:
         # the host side's tx is what the node received
         return {"rx": int((base / "tx_bytes").read_text()), "tx": int((base / "rx_bytes").read_text())}
 
+    def probe(self, code: str):
+        """Run `code` as a driver on the head (`ray` connected to the cluster, `json` imported); its last line of
+        output read as JSON."""
+        script = f"import json, ray\nray.init(address='{self.address}', log_to_driver=False)\n{code}"
+        proc = self.run("head", [sys.executable, "-c", script], timeout=180)
+        if proc.returncode != 0:
+            raise AerieError(f"probe on the head failed: {proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def actors(self, alive: bool = True) -> list[tuple[str, str]]:
+        """(class, node name) of every live actor (alive=False: also those that ended, as far as Ray remembers):
+        which actor runs on which node."""
+        names = {n.ip: n.name for n in self.nodes.values()}
+        filters = [("state", "=", "ALIVE")] if alive else []
+        code = (
+            "from ray.util.state import list_actors\n"
+            "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}\n"
+            f"live = list_actors(address='{self.dashboard}', filters={filters!r}, limit=1000)\n"
+            "print(json.dumps([(a.class_name, ips.get(a.node_id)) for a in live]))"
+        )
+        return sorted((cls, names.get(ip, str(ip))) for cls, ip in self.probe(code))
+
     def topology(self) -> list[dict]:
         """Each node: namespace, address, link, resources, alive."""
         return [
@@ -275,6 +304,55 @@ class NetCluster:
         _kill_netns(node.netns)
         _ip("link", "del", node.veth, check=False)
         _ip("netns", "del", node.netns, check=False)
+
+
+class ClusterServer:
+    """`aerie serve` on the head node (in its namespace, as a driver on a head runs), its Serve config `config`
+    with `overrides`; `url` as clients outside the cluster reach it. `stop()` ends it and shuts Serve down."""
+
+    def __init__(self, cluster: NetCluster, config: str | Path, overrides: list[str], log: Path, port: int = 8000):
+        self.cluster, self.log = cluster, Path(log)
+        aerie = str(Path(sys.executable).parent / "aerie")
+        cmd = [aerie, "serve", "--config", str(config), f"--address={cluster.address}", "--host=0.0.0.0"]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        out = self.log.open("w")
+        self.proc = cluster.popen("head", [*cmd, f"--port={port}", *overrides], stdout=out, stderr=subprocess.STDOUT)
+        self.url = f"http://{cluster.nodes['head'].ip}:{port}"
+
+    def wait_healthy(self, headers: dict, timeout_s: float = 600) -> dict:
+        """Until /health answers 200 (its JSON); an AerieError with the log's tail if the server exits or stays
+        down."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AerieError(f"aerie serve exited: {self.log.read_text()[-3000:]}")
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=5, headers=headers)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise AerieError(f"the server did not come up in {timeout_s:g} s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutdown = f"import ray; from ray import serve; ray.init(address='{self.cluster.address}'); serve.shutdown()"
+        self.cluster.run("head", [sys.executable, "-c", shutdown], timeout=180)
+
+
+def ray_token_env() -> dict:
+    """This environment with Ray's token authentication on (a token generated once per user, ~/.ray/auth_token,
+    which every node of a NetCluster reads)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{RAY.parent}:{os.environ['PATH']}"}
+    subprocess.run([str(RAY), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60)
+    return env
 
 
 def _cleanup_leftovers() -> None:

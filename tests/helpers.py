@@ -97,9 +97,9 @@ RAY_BIN = Path(sys.executable).parent / "ray"
 
 def ray_cli_env() -> dict:
     """Environment for `ray` CLI calls against a cluster with token authentication (a token is generated)."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{RAY_BIN.parent}:{os.environ['PATH']}"}
-    subprocess.run([str(RAY_BIN), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60)
-    return env
+    from orchestrator.netcluster import ray_token_env
+
+    return ray_token_env()
 
 
 def start_ray_head(env: dict, gcs_port: int, dashboard_port: int, num_cpus: int = 2, resources: dict | None = None):
@@ -206,3 +206,63 @@ def write_traffic(tap, clock, requests: int, every_s: float, first: int = 0) -> 
         clock.t += every_s
         tap.offer(captured_request(first + i))
         wait_written(tap, tap.stats.shards + tap.stats.write_errors + 1)
+
+
+def tiny_training(root: Path, smollm2_dir: Path) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (root/tiny-chat, returned), 24 chitchat
+    conversations (root/data.jsonl), and the job configs that collect them (root/collect.yaml -> root/data) and
+    train an EAGLE-3.1 drafter on two Ray Train workers (root/train.yaml -> root/drafter, checkpoints root/ckpt,
+    MLflow root/mlflow.db)."""
+    import shutil
+
+    from orchestrator.data.conversations import LoadReport, load_chitchat
+
+    tiny = write_tiny_llama(root / "tiny-chat", vocab_size=49152, max_position_embeddings=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(smollm2_dir / name, tiny / name)
+    convs = load_chitchat(LoadReport())[:24]
+    (root / "data.jsonl").write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in convs))
+    collect = {
+        "model": str(tiny),
+        "sources": [{"kind": "jsonl", "path": str(root / "data.jsonl")}],
+        "validation_fraction": 0.2,
+        "templates": [{"name": "chatml"}],
+        "max_length_tokens": 256,
+        "shard_tokens": 1200,
+        "batch_tokens": 2048,
+        "measure_baseline": False,
+        "output": str(root / "data"),
+    }
+    (root / "collect.yaml").write_text(json.dumps(collect))
+    train = {
+        "name": "tiny",
+        "model": str(tiny),
+        "data": str(root / "data"),
+        "output": str(root / "drafter"),
+        "drafter": {"variant": "eagle3.1", "draft_vocab_size": 512},
+        "ttt_steps": 3,
+        "batch_tokens": 512,
+        "max_steps": 40,
+        "optim": {"warmup_steps": 2, "lr": 1e-3},
+        "num_workers": 2,
+        "checkpoint": {"storage_path": str(root / "ckpt"), "every_steps": 2},
+        "mlflow": {
+            "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+            "registered_model": "tiny-drafter",
+            "aliases": ["candidate"],
+        },
+        "eval_every_steps": 10,
+        "log_every_steps": 2,
+    }
+    (root / "train.yaml").write_text(json.dumps(train))
+    return tiny
+
+
+def committed_checkpoint(storage: Path) -> bool:
+    """Ray Train has recorded a checkpoint (its manager's snapshot names one): a rerun resumes from it. A
+    `checkpoint_*` directory alone is not enough: killed before the snapshot is written, the rerun starts over."""
+    for snapshot in storage.glob("*/checkpoint_manager_snapshot.json"):
+        with contextlib.suppress(json.JSONDecodeError, OSError):
+            if json.loads(snapshot.read_text()).get("latest_checkpoint_result"):
+                return True
+    return False

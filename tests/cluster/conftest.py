@@ -4,9 +4,6 @@ cluster as they found it (the three nodes up, links up and unlimited)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from orchestrator.netcluster import NetCluster
+from orchestrator.netcluster import ClusterServer, NetCluster
 from tests.helpers import AUTH, ray_cli_env
 
 
@@ -29,51 +26,14 @@ def netcluster():
         yield cluster
 
 
-class Server:
-    """`aerie serve` on the head node (its own namespace, as a driver on a head runs), with the Serve config
-    written from `args`; `url` as clients outside the cluster reach it."""
-
-    def __init__(self, cluster: NetCluster, args: dict, tmp_path, port: int = 8000) -> None:
-        self.cluster = cluster
-        config = Path(tmp_path) / "serve.yaml"
-        app = {"name": "aerie", "route_prefix": "/", "import_path": "orchestrator.serving.app:build_app", "args": args}
-        config.write_text(yaml.safe_dump({"applications": [app]}))
-        self.log = Path(tmp_path) / "serve.log"
-        aerie = str(Path(sys.executable).parent / "aerie")
-        cmd = [aerie, "serve", "--config", str(config), f"--address={cluster.address}", "--host=0.0.0.0"]
-        self.proc = cluster.popen("head", [*cmd, f"--port={port}"], stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        self.url = f"http://{cluster.nodes['head'].ip}:{port}"
-
-    def wait_healthy(self, timeout_s: float = 600) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                r = httpx.get(f"{self.url}/health", timeout=5, headers=AUTH)
-                if r.status_code == 200:
-                    return r.json()
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise AssertionError(f"the server did not come up: {self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        """The server and its deployments (Serve shut down from the head), so that the next test starts clean."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        shutdown = f"import ray; from ray import serve; ray.init(address='{self.cluster.address}'); serve.shutdown()"
-        self.cluster.run("head", [sys.executable, "-c", shutdown], timeout=180)
-
-
-def cluster_probe(cluster: NetCluster, code: str):
-    """Run `code` as a driver on the head (connected to the cluster), its last stdout line read as JSON."""
-    script = f"import json, ray\nray.init(address='{cluster.address}', log_to_driver=False)\n{code}"
-    proc = cluster.run("head", [sys.executable, "-c", script], timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def serve(cluster: NetCluster, args: dict, tmp_path) -> ClusterServer:
+    """`aerie serve` on the head with the application `args` (a Serve config written to tmp_path), healthy."""
+    config = Path(tmp_path) / "serve.yaml"
+    app = {"name": "aerie", "route_prefix": "/", "import_path": "orchestrator.serving.app:build_app", "args": args}
+    config.write_text(yaml.safe_dump({"applications": [app]}))
+    server = ClusterServer(cluster, config, [], Path(tmp_path) / "serve.log")
+    server.wait_healthy(AUTH)
+    return server
 
 
 class Load:

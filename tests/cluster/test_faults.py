@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.cluster.conftest import Load, Server, Watch
+from tests.cluster.conftest import Load, Watch, serve
 from tests.cluster.test_serving import app_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -17,8 +17,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served(netcluster, smollm2_dir, tmp_path_factory):
-    server = Server(netcluster, app_args(smollm2_dir), tmp_path_factory.mktemp("faults"))
-    server.wait_healthy()
+    server = serve(netcluster, app_args(smollm2_dir), tmp_path_factory.mktemp("faults"))
     yield server
     server.stop()
 

@@ -1,6 +1,7 @@
 """Two Ray nodes started with `ray start` on this machine (a head for the target, a worker carrying the custom
 resource `draft`), the server started with `aerie serve` against that cluster: the draft worker runs on the
-draft node and greedy output stays exact."""
+draft node and greedy output stays exact. The fallback of tests/cluster/ where network namespaces cannot be
+made."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ import httpx
 import pytest
 import yaml
 
+from orchestrator.netcluster import NetCluster
 from tests.helpers import AUTH, ray_cli_env, start_ray_head, stop_ray_cluster
 from tests.serving.conftest import app_args, free_port
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        NetCluster.unavailable() is None,
+        reason="tests/cluster/test_serving.py serves across nodes of their own network namespaces here",
+    ),
+]
 BIN = Path(sys.executable).parent
 
 

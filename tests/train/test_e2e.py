@@ -5,7 +5,6 @@ training from and to S3; and clear errors before training."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.data.conversations import LoadReport, load_chitchat
-from tests.helpers import write_tiny_llama
+from tests.helpers import committed_checkpoint, tiny_training
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[2]
@@ -45,44 +43,7 @@ def _ok(proc) -> None:
 def root(tmp_path_factory, smollm2_dir) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer and chat template, and 24 chitchat conversations collected."""
     root = tmp_path_factory.mktemp("e2e")
-    tiny = write_tiny_llama(root / "tiny-chat", vocab_size=49152, max_position_embeddings=2048)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(smollm2_dir / name, tiny / name)
-    convs = load_chitchat(LoadReport())[:24]
-    (root / "data.jsonl").write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in convs))
-    collect = {
-        "model": str(tiny),
-        "sources": [{"kind": "jsonl", "path": str(root / "data.jsonl")}],
-        "validation_fraction": 0.2,
-        "templates": [{"name": "chatml"}],
-        "max_length_tokens": 256,
-        "shard_tokens": 1200,
-        "batch_tokens": 2048,
-        "measure_baseline": False,
-        "output": str(root / "data"),
-    }
-    (root / "collect.yaml").write_text(json.dumps(collect))
-    train = {
-        "name": "tiny",
-        "model": str(tiny),
-        "data": str(root / "data"),
-        "output": str(root / "drafter"),
-        "drafter": {"variant": "eagle3.1", "draft_vocab_size": 512},
-        "ttt_steps": 3,
-        "batch_tokens": 512,
-        "max_steps": 40,
-        "optim": {"warmup_steps": 2, "lr": 1e-3},
-        "num_workers": 2,
-        "checkpoint": {"storage_path": str(root / "ckpt"), "every_steps": 2},
-        "mlflow": {
-            "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
-            "registered_model": "tiny-drafter",
-            "aliases": ["candidate"],
-        },
-        "eval_every_steps": 10,
-        "log_every_steps": 2,
-    }
-    (root / "train.yaml").write_text(json.dumps(train))
+    tiny = tiny_training(root, smollm2_dir)
     evaluate = {
         "model": str(tiny),
         "drafters": [{"name": "placeholder", "source": "set by the pipeline"}],
@@ -125,16 +86,6 @@ def _stage(root: Path, key: str) -> dict:
     return json.loads((root / "pipeline" / "state.json").read_text())[key]
 
 
-def _committed_checkpoint(storage: Path) -> bool:
-    """Ray Train has recorded a checkpoint (its manager's snapshot names one): a rerun resumes from it. A
-    `checkpoint_*` directory alone is not enough: killed before the snapshot is written, the rerun starts over."""
-    for snapshot in storage.glob("*/checkpoint_manager_snapshot.json"):
-        with contextlib.suppress(json.JSONDecodeError, OSError):
-            if json.loads(snapshot.read_text()).get("latest_checkpoint_result"):
-                return True
-    return False
-
-
 @pytest.fixture(scope="module")
 def trained(root) -> dict:
     """Start the pipeline, SIGKILL the whole job once training has a checkpoint, then rerun it to the end."""
@@ -146,7 +97,7 @@ def trained(root) -> dict:
         start_new_session=True,
     )
     deadline = time.monotonic() + 600
-    while not _committed_checkpoint(root / "ckpt"):
+    while not committed_checkpoint(root / "ckpt"):
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.2)

@@ -1,0 +1,154 @@
+"""`make cluster-demo`: the disaggregated server across three nodes of this machine (orchestrator/netcluster.py:
+network namespaces on a bridge, needs root), and what a thin link between the target and the draft node costs.
+
+    python -m orchestrator.cluster_demo [--rates none,1000,100,20,5] [--seconds 40] [--users 4]
+
+It serves SmolLM2-135M-Instruct with the committed drafter (configs/smollm2-135m/serve.yaml) with the target worker
+and the scheduler on the target node, the drafter on the draft node and the router on the head, prints which actor
+runs where, then sends steady streaming load (MT-Bench first turns) first target-only, then with speculation at
+each rate of the draft node's link (tc's token bucket, both directions). Per rate: per-user tokens/s and its ratio
+to target-only, the share of rounds that drafted (the mode chooser stops drafting where it does not pay), the
+draft call's time, and the bytes per round on the link against the scheduler's counters. Writes
+runs/cluster-demo/result.json and table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+from pathlib import Path
+
+from orchestrator.errors import AerieError
+
+REPO = Path(__file__).resolve().parents[1]
+PLACEMENT = [  # the GB200 manifests' node groups (clusters/gb200-raycluster.yaml)
+    "target.resources={target: 1}",
+    "draft.resources={draft: 1}",
+    "server.label_selector={aerie/group: target}",
+    "target.torch_threads=1",
+    "draft.torch_threads=1",
+]
+
+
+def measure(cluster, url: str, headers: dict, prompts: list[dict], seconds: float, users: int, max_tokens: int):
+    """Steady load for `seconds`: the load's summary, what the scheduler did, and the draft link's bytes."""
+    import httpx
+
+    from orchestrator.benchmarks.load import steady_load
+    from orchestrator.benchmarks.serving import scheduler_delta
+
+    before, link0 = httpx.get(f"{url}/stats", headers=headers, timeout=60).json(), cluster.link_bytes("draft")
+    load = asyncio.run(steady_load(url, prompts, users, seconds, max_tokens, headers))
+    after, link1 = httpx.get(f"{url}/stats", headers=headers, timeout=60).json(), cluster.link_bytes("draft")
+    sched = scheduler_delta(before, after)
+    rounds = max(1, sched["rounds"])
+    link = sum(link1[k] - link0[k] for k in link1) / rounds
+    counted = sched["target_to_draft_bytes_per_round"] + sched["draft_to_target_bytes_per_round"]
+    return {
+        "load": load,
+        "ms_per_round": 1e3 * load["seconds"] / rounds,
+        "spec_round_share": sched["spec_round_share"],
+        "draft_call_ms": sched.get("draft_call_ms"),
+        "acceptance_length": sched["acceptance_length"],
+        "link_bytes_per_round": link,
+        "counted_bytes_per_round": counted,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from orchestrator.data.prompts import mtbench_first_turns
+    from orchestrator.models.prepare import prepare_model
+    from orchestrator.netcluster import ClusterServer, NetCluster, ray_token_env
+
+    why = NetCluster.unavailable()
+    if why is not None:
+        raise AerieError(f"the cluster demo needs network namespaces: {why}")
+    model = prepare_model("smollm2-135m-instruct", REPO / "models" / "smollm2-135m-instruct")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(24)  # this demo's own API key (never printed)
+    env = ray_token_env() | {"AERIE_API_KEY": key}
+    env.pop("AERIE_API_KEY_FILE", None)
+    headers = {"Authorization": f"Bearer {key}"}
+    prompts = mtbench_first_turns()
+    rates = [None if r in ("none", "") else float(r) for r in args.rates.split(",")]
+    result: dict = {"rates_mbit": rates, "users": args.users, "seconds": args.seconds, "rows": []}
+    with NetCluster(env) as cluster:
+        cluster.add_node("target", {"target": 1})
+        cluster.add_node("draft", {"draft": 1})
+        for arm, extra in (("target only", ["speculation=false"]), ("speculation", [])):
+            overrides = [f"model={model}", *PLACEMENT, *extra]
+            server = ClusterServer(cluster, args.config, overrides, out / f"serve-{arm.replace(' ', '-')}.log")
+            try:
+                server.wait_healthy(headers)
+                if arm == "speculation":
+                    result["topology"], result["actors"] = cluster.topology(), cluster.actors()
+                    print("nodes:", ", ".join(f"{n['node']} {n['ip']} {n['resources']}" for n in result["topology"]))
+                    print("actors:", ", ".join(f"{cls} on {node}" for cls, node in result["actors"]))
+                for rate in rates if arm == "speculation" else [None]:
+                    cluster.rate_limit("draft", rate)
+                    measure(cluster, server.url, headers, prompts, 5, args.users, args.max_tokens)  # warm, adapt
+                    row = measure(cluster, server.url, headers, prompts, args.seconds, args.users, args.max_tokens)
+                    row |= {"arm": arm, "rate_mbit": rate}
+                    result["rows"].append(row)
+                    print(format_row(row, result["rows"][0]), flush=True)
+            finally:
+                cluster.rate_limit("draft", None)
+                server.stop()
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "table.md").write_text(table(result["rows"]))
+    print(f"wrote {out / 'table.md'} and result.json")
+    return result
+
+
+def format_row(row: dict, base: dict) -> str:
+    ratio = row["load"]["per_user_tok_s"] / max(1e-9, base["load"]["per_user_tok_s"])
+    rate = "unlimited" if row["rate_mbit"] is None else f"{row['rate_mbit']:g} Mbit/s"
+    return (
+        f"{row['arm']:<12} {rate:>14}: {row['load']['per_user_tok_s']:6.2f} tok/s per user ({ratio:.2f}x), "
+        f"{row['load']['failed']} failed, drafted {100 * row['spec_round_share']:3.0f}% of rounds, "
+        f"{row['ms_per_round']:5.1f} ms/round, link {row['link_bytes_per_round'] / 1e3:6.1f} kB/round "
+        f"(counted {row['counted_bytes_per_round'] / 1e3:.1f})"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    base = rows[0]["load"]["per_user_tok_s"]
+    lines = [
+        "| arm | draft link | per-user tok/s | vs target-only | failed | rounds drafted | ms/round | draft call ms "
+        "| link kB/round | counted kB/round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rate = "unlimited" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s"
+        call = "" if r["draft_call_ms"] is None else f"{r['draft_call_ms']:.1f}"
+        lines.append(
+            f"| {r['arm']} | {rate} | {r['load']['per_user_tok_s']:.2f} | {r['load']['per_user_tok_s'] / base:.2f}x "
+            f"| {r['load']['failed']} | {100 * r['spec_round_share']:.0f}% | {r['ms_per_round']:.1f} | {call} "
+            f"| {r['link_bytes_per_round'] / 1e3:.1f} | {r['counted_bytes_per_round'] / 1e3:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.cluster_demo", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m" / "serve.yaml"))
+    p.add_argument("--rates", default="none,1000,100,20,5", help="draft link rates in Mbit/s (none: unlimited)")
+    p.add_argument("--seconds", type=float, default=40, help="load per rate")
+    p.add_argument("--users", type=int, default=4, help="streaming clients at once")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default="runs/cluster-demo")
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except AerieError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
