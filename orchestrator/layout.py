@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "storage",
-        "files, S3, hidden-state shards, corpora, prompt sets, the traffic tap, MLflow tracking, Ray cluster set-up",
+        "files, S3, hidden-state shards, corpora, prompt sets, the traffic tap, MLflow tracking, Ray cluster set-up "
+        "(and a cluster of network namespaces for tests and demos)",
         ["orchestrator.data", "orchestrator.tracking", "orchestrator.cluster", "orchestrator.netcluster"],
     ),
     (
