@@ -14,6 +14,10 @@ import yaml
 from orchestrator.netcluster import ClusterServer, NetCluster
 from tests.helpers import AUTH, ray_cli_env
 
+# each worker node's custom resource: room for a canary backend's worker beside the stable one's (a GB200 tray
+# advertises 4)
+RESOURCES = {"target": {"target": 2}, "draft": {"draft": 2}}
+
 
 @pytest.fixture(scope="session")
 def netcluster():
@@ -21,8 +25,8 @@ def netcluster():
     if why is not None:
         pytest.skip(f"no cluster of network namespaces here: {why}")
     with NetCluster(ray_cli_env()) as cluster:
-        cluster.add_node("target", {"target": 1})
-        cluster.add_node("draft", {"draft": 1})
+        for name, resources in RESOURCES.items():
+            cluster.add_node(name, resources)
         yield cluster
 
 
@@ -33,6 +37,7 @@ def serve(cluster: NetCluster, args: dict, tmp_path) -> ClusterServer:
     config.write_text(yaml.safe_dump({"applications": [app]}))
     server = ClusterServer(cluster, config, [], Path(tmp_path) / "serve.log")
     server.wait_healthy(AUTH)
+    server.config = config
     return server
 
 

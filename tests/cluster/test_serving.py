@@ -6,14 +6,18 @@ their errors), and how long until speculation resumed or a replacement node serv
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from tests.cluster.conftest import Load, Watch, serve
+from tests.cluster.conftest import RESOURCES, Load, Watch, serve
 from tests.helpers import AUTH, QUESTIONS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -157,7 +161,7 @@ def test_draft_link_down_for_30s(netcluster, served):
         # either the node rejoins, or Ray declared it dead while it was cut off and ends its raylet on return
         wait_for(lambda: watch.speculating_since(up) or not netcluster.ray_alive("draft"), 120, "rejoined or ended")
         if not netcluster.ray_alive("draft"):
-            netcluster.add_node("draft", {"draft": 1})
+            netcluster.add_node("draft", RESOURCES["draft"])
             replaced = time.monotonic() - up
         resumed = wait_for(lambda: watch.speculating_since(up), 300, "speculation after the link came back")
         time.sleep(3)
@@ -186,7 +190,7 @@ def test_draft_node_killed(netcluster, served):
         killed = time.monotonic()
         processes = netcluster.kill("draft")
         time.sleep(10)
-        netcluster.add_node("draft", {"draft": 1})
+        netcluster.add_node("draft", RESOURCES["draft"])
         joined = time.monotonic()
         resumed = wait_for(lambda: watch.speculating_since(joined), 300, "speculation on the replacement node")
         time.sleep(3)
@@ -214,7 +218,7 @@ def test_target_node_killed(netcluster, served):
         killed = time.monotonic()
         processes = netcluster.kill("target")
         time.sleep(10)
-        netcluster.add_node("target", {"target": 1})
+        netcluster.add_node("target", RESOURCES["target"])
         joined = time.monotonic()
         served_again = wait_for(
             lambda: next((r["ended"] for r in load.records if r["sent"] > joined and "error" not in r), None),
@@ -233,3 +237,91 @@ def test_target_node_killed(netcluster, served):
     print("target node killed:", out)
     assert out["in_flight_failed"] == out["in_flight_at_kill"] > 0, out
     assert out["longest_s"] <= 300 + 30, out  # request_timeout_s (app_args), and the client's own read
+
+
+def deploy_command(cluster, served, out: Path, **kw) -> list[str]:
+    """`python -m jobs.deploy` to the served router, as a driver on the head, of a new version: the committed
+    drafter copied (the same weights under another path)."""
+    import shutil
+
+    drafter = shutil.copytree(DRAFTER, out / "drafter")
+    cfg = {
+        "app": str(served.config),
+        "drafter": str(drafter),
+        "name": "aerie",
+        "address": cluster.address,
+        "host": cluster.nodes["head"].ip,
+        "port": 8000,
+        "window_s": 20,
+        "max_window_s": 120,
+        "min_drafts": 20,
+        "poll_s": 1.0,
+        "startup_timeout_s": 600,
+        "drain_timeout_s": 120,
+        "output_dir": str(out),
+    } | kw
+    (out / "deploy.yaml").write_text(yaml.safe_dump(cfg))
+    return [sys.executable, "-m", "jobs.deploy", "--config", str(out / "deploy.yaml")]
+
+
+def rollout_record(stdout: str) -> dict:
+    """The summary jobs.deploy prints last."""
+    return json.loads(stdout[stdout.rindex("\n{") :])
+
+
+def routes(url: str) -> list[str]:
+    status = httpx.get(f"{url}/router/status", headers=AUTH, timeout=10).json()
+    return [r["app"] for r in status["routes"] if r["weight"] > 0]
+
+
+def test_rollout_across_nodes_under_load(netcluster, served, tmp_path):
+    """A rollout whose candidate backend's drafter runs on the draft node, under streaming load: promoted, no
+    request failed, and every drafter on the draft node."""
+    load = Load(served.url)
+    try:
+        # the same weights: non-inferior within 0.25 accepted tokens per draft (the gate's 99.9% interval)
+        command = deploy_command(netcluster, served, tmp_path / "promote", tolerance=0.25)
+        proc = netcluster.run("head", command, timeout=900, cwd=REPO)
+    finally:
+        records = load.stop()
+    assert "\n{" in proc.stdout, proc.stderr[-3000:]
+    record = rollout_record(proc.stdout)
+    drafters = {node for cls, node in netcluster.actors() if cls == "DraftWorker"}
+    out = summary(records, 0.0) | {"decision": record["decision"], "app": record["app"], "drafters_on": drafters}
+    print("rollout under load:", out, record["acceptance"])
+    assert record["decision"] == "promoted" and routes(served.url) == [record["app"]]
+    assert out["failed"] == 0 and drafters == {"draft"}
+
+
+def test_rollout_with_the_draft_node_cut_off_mid_canary(netcluster, served, tmp_path):
+    """The same rollout, the draft node's link cut once the canary takes traffic: the candidate drafts nothing
+    more and is not promoted (rolled back or undecided); the stable backend serves on, target-only, and no
+    request fails."""
+    stable = routes(served.url)
+    load = Load(served.url)
+    try:
+        log = tmp_path / "deploy.log"
+        proc = netcluster.popen(
+            "head",
+            deploy_command(netcluster, served, tmp_path / "cut"),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+        )
+        wait_for(lambda: len(routes(served.url)) == 2, 600, "the canary taking traffic")
+        netcluster.link("draft", up=False)
+        stdout, _ = proc.communicate(timeout=900)
+        netcluster.link("draft", up=True)
+    finally:
+        records = load.stop()
+    record = rollout_record(stdout)
+    out = summary(records, 0.0) | {"decision": record["decision"], "reason": record.get("reason")}
+    print("rollout, draft node cut off mid-canary:", out, record["acceptance"])
+    assert record["decision"] in ("rolled back", "inconclusive", "interrupted"), log.read_text()[-3000:]
+    assert routes(served.url) == stable
+    assert out["failed"] == 0
+    # leave the cluster as found: cut off for longer than Ray's health checks, the node was declared dead and
+    # its raylet ends once it hears so; a replacement takes its place
+    wait_for(lambda: not netcluster.ray_alive("draft"), 120, "the cut-off draft node's raylet ending")
+    netcluster.add_node("draft", RESOURCES["draft"])
