@@ -146,6 +146,14 @@ def longest_stall(rows: list[tuple]) -> float:
     return round(longest, 1)
 
 
+def rounds_between(rows: list[tuple], start: float, end: float) -> tuple[float, float]:
+    """Rounds and drafted rounds the server counted between two times (from the /stats rows)."""
+    during = [r for r in rows if start <= r[0] <= end and r[3] is not None]
+    if not during:
+        return 0, 0
+    return during[-1][3] - during[0][3], during[-1][2] - during[0][2]
+
+
 def test_draft_link_down_for_30s(netcluster, served):
     """The draft node cut off for 30 s: requests go on target-only (none fails); once the link is back (the node
     rejoining, or replaced if Ray declared it dead meanwhile) the drafter drafts again."""
@@ -167,14 +175,14 @@ def test_draft_link_down_for_30s(netcluster, served):
         time.sleep(3)
     finally:
         records, rows = load.stop(), watch.stop()
-    during = [r for r in rows if cut <= r[0] <= up and r[3] is not None]
+    rounds, spec_rounds = rounds_between(rows, cut, up)
     out = summary(records, cut) | {
         "resumed_after_link_up_s": round(resumed - up, 1),
         "replaced_after_s": replaced and round(replaced, 1),
-        "rounds_while_cut": during[-1][3] - during[0][3] if during else 0,
-        "spec_rounds_while_cut": during[-1][2] - during[0][2] if during else 0,
+        "rounds_while_cut": rounds,
+        "spec_rounds_while_cut": spec_rounds,
+        "longest_stall_s": longest_stall(rows),
     }
-    out["longest_stall_s"] = longest_stall(rows)
     print("draft link down 30 s:", out)
     assert out["failed"] == 0, out
     assert out["rounds_while_cut"] > 0, out  # target-only rounds went on (after draft_timeout_s)
@@ -196,10 +204,9 @@ def test_draft_node_killed(netcluster, served):
         time.sleep(3)
     finally:
         records, rows = load.stop(), watch.stop()
-    during = [r for r in rows if killed <= r[0] <= joined and r[3] is not None]
     out = summary(records, killed) | {
         "processes_killed": processes,
-        "rounds_until_replaced": during[-1][3] - during[0][3] if during else 0,
+        "rounds_until_replaced": rounds_between(rows, killed, joined)[0],
         "resumed_after_replacement_s": round(resumed - joined, 1),
         "longest_stall_s": longest_stall(rows),
     }
