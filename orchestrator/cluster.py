@@ -183,7 +183,7 @@ class WorkerResources(Placement):
 
     def actor_options(self, devices: int = 1, **extra) -> dict:
         """`ray.remote(...).options(...)` of such a worker (spanning `devices`), plus `extra`."""
-        opts: dict = dict(num_cpus=self.num_cpus * devices, num_gpus=self.num_gpus * devices, resources=self.resources)
+        opts: dict = dict(num_cpus=self.num_cpus * devices, num_gpus=self.num_gpus * devices)
         if self.env_vars:
             opts["runtime_env"] = {"env_vars": self.env_vars}
         return opts | self.placement_options() | extra

@@ -38,8 +38,8 @@ class Metered(LocalWorker):
         super().__init__(worker)
         self.log = log
 
-    async def call(self, method, *args, returns=1):
-        out = await super().call(method, *args, returns=returns)
+    async def call(self, method, *args, returns=1, timeout_s=None):
+        out = await super().call(method, *args, returns=returns, timeout_s=timeout_s)
         self.log.append((method, args, out))
         return out
 

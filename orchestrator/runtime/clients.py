@@ -27,7 +27,7 @@ class LocalWorker:
     def __init__(self, worker) -> None:
         self.worker = worker
 
-    async def call(self, method: str, *args, returns: int = 1):
+    async def call(self, method: str, *args, returns: int = 1, timeout_s: float | None = None):
         try:
             return getattr(self.worker, method)(*args)
         except Exception as err:
@@ -44,18 +44,19 @@ class RemoteWorker:
     def __init__(self, handle, timeout_s: float) -> None:
         self.handle, self.timeout_s = handle, timeout_s
 
-    async def call(self, method: str, *args, returns: int = 1):
+    async def call(self, method: str, *args, returns: int = 1, timeout_s: float | None = None):
+        """timeout_s: this call's bound (a call known to carry much work), else the worker's."""
         import ray
 
         remote = getattr(self.handle, method)
         refs = remote.options(num_returns=returns).remote(*args) if returns > 1 else remote.remote(*args)
         first = refs[0] if returns > 1 else refs
         try:
-            out = await asyncio.wait_for(first, timeout=self.timeout_s)
+            out = await asyncio.wait_for(first, timeout=timeout_s or self.timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
             raise WorkerLost(f"{method}: the worker died ({type(err).__name__})") from err
         except TimeoutError as err:
-            raise WorkerLost(f"{method}: no answer within {self.timeout_s:g} s") from err
+            raise WorkerLost(f"{method}: no answer within {timeout_s or self.timeout_s:g} s") from err
         except ray.exceptions.RayTaskError as err:
             raise WorkerFailed(f"{method}: {err}") from err
         except ray.exceptions.RayError as err:  # an object lost with its node, a worker crashed, ...

@@ -70,7 +70,8 @@ class SchedulerConfig(StrictModel):
         10.0,
         gt=0,
         description="a draft call that takes longer counts as the drafter lost: rounds go on target-only while it is "
-        "polled (a draft node cut off by the network stalls the target this long once, not worker_timeout_s)",
+        "polled (a draft node cut off by the network stalls the target this long once, not worker_timeout_s); a "
+        "catch-up call, which sends whole histories, has worker_timeout_s",
     )
     max_prefill_attempts: int = Field(2, ge=1, description="prefills a request may lose to worker failures")
 
@@ -373,8 +374,10 @@ class SpecScheduler:
         reset = [r.id for r in rs] if sync is Sync.RESET else []
         requests = [(r.id, r.params, self._node_cap(r)) for r in rs]
         began = self.clock()
+        # a catch-up carries whole histories (long on a CPU): it gets the target's bound, not the drafter's
+        timeout = None if sync is Sync.IN_SYNC else self.cfg.worker_timeout_s
         try:
-            out, trees_ref = await self.draft.call("propose", requests, pairs, reset, returns=2)
+            out, trees_ref = await self.draft.call("propose", requests, pairs, reset, returns=2, timeout_s=timeout)
         except WorkerLost as err:
             self._draft_lost(str(err))
             return None

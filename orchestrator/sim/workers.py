@@ -114,7 +114,7 @@ class SimWorker:
         self.clock, self.costs, self.device = clock, costs, device
         self.calls = 0
 
-    async def call(self, method: str, *args, returns: int = 1):
+    async def call(self, method: str, *args, returns: int = 1, timeout_s: float | None = None):
         self.calls += 1
         try:
             work = getattr(self, method)

@@ -155,11 +155,13 @@ class FaultyWorker:
         self.make, self.plan, self.rng, self.tick = make, plan or (lambda method: None), rng, tick
         self.worker = make()
         self.calls: dict[str, int] = {}
+        self.timeouts: list[tuple[str, float | None]] = []  # (method, the bound the caller gave the call)
 
-    async def call(self, method: str, *args, returns: int = 1):
+    async def call(self, method: str, *args, returns: int = 1, timeout_s: float | None = None):
         """Runs at once, in submission order (as an actor runs the calls of one caller: a release sent after
         this call runs after it), then suspends until the answer "arrives"."""
         self.calls[method] = self.calls.get(method, 0) + 1
+        self.timeouts.append((method, timeout_s))
         if self.tick is not None:
             self.tick()
         fault = self.plan(method)

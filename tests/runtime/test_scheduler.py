@@ -5,6 +5,7 @@ stays bounded; every loop iteration awaits; a worker failing at any call site ha
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 import pytest
@@ -174,6 +175,21 @@ def test_a_failing_worker_at_every_call_site(worker, method, fault):
     if not target_lost and method != "verify":
         assert failed == 0  # drafts are optional; a lost prefill is retried
     assert failed <= 4  # max_batch
+    assert_settled(h)
+
+
+def test_a_draft_call_that_resends_histories_gets_the_targets_bound_and_one_in_sync_the_drafters():
+    """After the draft worker dies, the next propose carries whole histories (long on a CPU): it is bounded by
+    worker_timeout_s, so a slow catch-up is not taken for a lost drafter again; calls in sync get the draft
+    worker's own short bound (None here: the client's)."""
+    proposes = itertools.count()
+    h = build(
+        max_batch=4, micro_batches=1, draft_plan=lambda m: "die" if m == "propose" and next(proposes) == 3 else None
+    )
+    run(h, lambda h: _all(h, _prompts(4)))
+    bounds = [t for m, t in h.draft.timeouts if m == "propose"]
+    assert bounds[0] is None and h.scheduler.cfg.worker_timeout_s in bounds[4:]
+    assert bounds.count(None) > len(bounds) // 2
     assert_settled(h)
 
 
