@@ -9,8 +9,15 @@
    perm[i], by a wide margin), with a replay proposer that offers that continuation and errs at a set rate;
    next to transformers' `generate` on a model of the same shape. Runs interleave and repeat; the table gives
    medians and, for ratios, the range over repeats.
+4. steps: the step times the capacity planner's cost model needs (`orchestrator/sim/roofline.py`), on the
+   same Llama-3.1-8B-shaped target: one target forward over `new` tokens per sequence at batch 1/4/16/64 and
+   256/2048 cached tokens each, and one EAGLE-3.1 drafter round (its 8B-shaped layer, a 32k draft vocabulary)
+   as the draft worker runs it, chain of 5 and tree (depth 4, top 4, 16 nodes). `jobs.plan` sets them beside
+   the roofline of the same GPU.
 
-    python -m orchestrator.benchmarks.gpu_check [--device cuda] [--quick] [--out DIR]
+    python -m orchestrator.benchmarks.gpu_check [--device cuda] [--quick] [--out DIR] [--skip ...]
+
+A check that fails is recorded (its traceback in gpu-check.json) and the others still run.
 
 `--quick` shrinks every shape so the script runs on a CPU in a minute (the unit test does that).
 """
@@ -24,6 +31,7 @@ import os
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -88,6 +96,18 @@ def _tiny_target(out: Path) -> Path:
     return out
 
 
+def _tiny_drafter(work: Path) -> Path:
+    """A random EAGLE-3.1 drafter of the tiny target (made once per run)."""
+    from orchestrator.models.checkpoint import save_drafter
+    from orchestrator.models.init import init_drafter
+    from orchestrator.models.target import TargetModel
+
+    out = work / "drafter"
+    if not out.is_dir():
+        save_drafter(init_drafter(TargetModel.from_pretrained(work / "tiny", device="cpu")), out)
+    return out
+
+
 def check_lossless(device: torch.device, work: Path, quick: bool) -> dict:
     """Greedy, fp32: transformers vs the engine target-only, with the EAGLE drafter (chain, tree) and with a
     replay proposer that offers transformers' continuation and errs (so rounds accept 0..all drafts).
@@ -95,16 +115,13 @@ def check_lossless(device: torch.device, work: Path, quick: bool) -> dict:
     from transformers import LlamaForCausalLM
 
     from orchestrator.engine.engine import SpecEngine, load_engine
-    from orchestrator.models.checkpoint import save_drafter
-    from orchestrator.models.init import init_drafter
-    from orchestrator.models.target import TargetModel
     from orchestrator.runtime.workers import DraftWorker
     from orchestrator.spec.proposer import SpecConfig
     from orchestrator.spec.replay import ReplayProposer
     from orchestrator.spec.sampling import SamplingParams
 
     model_dir = _tiny_target(work / "tiny")
-    drafter_dir = save_drafter(init_drafter(TargetModel.from_pretrained(model_dir, device="cpu")), work / "drafter")
+    drafter_dir = _tiny_drafter(work)
     new = 16 if quick else 64
     gen = torch.Generator().manual_seed(1)
     lengths = (5, 14) if quick else (5, 9, 14, 21, 30, 47)
@@ -115,7 +132,6 @@ def check_lossless(device: torch.device, work: Path, quick: bool) -> dict:
         for p in prompts:
             out = hf.generate(torch.tensor([p], device=device), max_new_tokens=new, do_sample=False, pad_token_id=0)
             reference.append(out[0, len(p) :].tolist())
-    del hf
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     shapes = {"chain": SpecConfig(method="chain", num_spec_tokens=4), "tree": SpecConfig(method="tree")}
     refs = {"prompts": prompts, "outputs": reference}
@@ -124,16 +140,35 @@ def check_lossless(device: torch.device, work: Path, quick: bool) -> dict:
         kw = {"eos_token_ids": [], "device": str(device), "dtype": dtype}
         plain = load_engine(model_dir, None, max_batch=len(prompts), **kw)
         base = [g.token_ids for g in plain.generate(prompts, params)]
-        rows.append(_agreement("target-only", dtype, "transformers fp32", base, None, reference))
+        gap = functools.partial(_divergence_gap, hf, device, prompts)
+        rows.append(_agreement("target-only", dtype, "transformers fp32", base, None, reference, gap))
+        # the same prompts one at a time: does target-only bf16 depend on what else is in the batch?
+        alone = [plain.generate([p], params)[0].token_ids for p in prompts]
+        rows.append(_agreement("target-only, one at a time", dtype, "target-only, batched", alone, None, base, gap))
         want, against = (reference, "transformers fp32") if dtype == "float32" else (base, "target-only bf16")
         for name, spec in shapes.items():
             engine = load_engine(model_dir, drafter_dir, spec, len(prompts), **kw)
-            rows.append(_agreement(f"eagle {name}", dtype, against, *_generate(engine, prompts, params), want))
+            rows.append(_agreement(f"eagle {name}", dtype, against, *_generate(engine, prompts, params), want, gap))
             depth, width, nodes = spec.shape()
             proposer = ReplayProposer(refs, TINY["vocab_size"], depth, width=min(width, 3), accept_rate=0.7)
             engine = SpecEngine(plain.target, DraftWorker(proposer, len(prompts)), nodes)
-            rows.append(_agreement(f"replay {name}", dtype, against, *_generate(engine, prompts, params), want))
+            rows.append(_agreement(f"replay {name}", dtype, against, *_generate(engine, prompts, params), want, gap))
     return {"tokens_per_prompt": new, "prompts": len(prompts), "rows": rows}
+
+
+def _divergence_gap(hf, device, prompts, got, want) -> float | None:
+    """Where two greedy outputs first differ, how far apart the two tokens are in transformers' float32 logits
+    after the common prefix, relative to the largest logit: about 2^-8 and below is bf16 rounding deciding a near
+    tie; much more is a bug. The largest over the differing sequences (None: none differ)."""
+    gaps = []
+    for p, a, b in zip(prompts, got, want, strict=True):
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if i is None:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + b[:i]], device=device)).logits[0, -1].float()
+        gaps.append(abs(float(logits[b[i]] - logits[a[i]])) / float(logits.abs().max()))
+    return max(gaps) if gaps else None
 
 
 def _tau(gens) -> float | None:
@@ -148,8 +183,9 @@ def _generate(engine, prompts, params) -> tuple[list[list[int]], float | None]:
     return [g.token_ids for g in gens], _tau(gens)
 
 
-def _agreement(name: str, dtype: str, against: str, got: list, tau: float | None, want: list | None = None) -> dict:
-    """How many sequences (and tokens, up to the first difference) equal the reference."""
+def _agreement(name: str, dtype: str, against: str, got: list, tau: float | None, want: list, gap=None) -> dict:
+    """How many sequences (and tokens, up to the first difference) equal the reference; with `gap`
+    (`_divergence_gap`), how close to a tie the first differences were."""
     equal = sum(a == b for a, b in zip(got, want, strict=True))
     prefix = 0
     for a, b in zip(got, want, strict=True):
@@ -161,6 +197,7 @@ def _agreement(name: str, dtype: str, against: str, got: list, tau: float | None
         "sequences_equal": f"{equal}/{len(want)}",
         "tokens_before_first_difference": f"{prefix}/{sum(len(w) for w in want)}",
         "acceptance_length": tau,
+        "divergence_gap": gap(got, want) if gap is not None and equal < len(want) else None,
     }
 
 
@@ -180,12 +217,12 @@ def check_training(device: torch.device, work: Path, quick: bool) -> dict:
     ids = torch.randint(3, TINY["vocab_size"], (b, t), generator=gen)
     cache = target.new_cache(b, t)
     out = target(ids.flatten(), cache, torch.arange(b), torch.full((b,), t), logits="none")
-    batch = Batch(
+    batch = Batch(  # clones: the target ran in inference mode, whose tensors autograd may not save
         ids.to(device),
         torch.ones(b, t, dtype=torch.bool, device=device),
         torch.full((b,), t, device=device),
-        out.aux_hidden.view(b, t, -1),
-        out.final_hidden.view(b, t, -1),
+        out.aux_hidden.view(b, t, -1).clone(),
+        out.final_hidden.view(b, t, -1).clone(),
     )
     vocab = torch.arange(TINY["vocab_size"])
     config = DrafterConfig.for_target(target.hf_config, target.aux_layer_ids, vocab.numel(), "eagle3.1")
@@ -309,6 +346,200 @@ def check_throughput(device: torch.device, quick: bool, repeats: int = 3) -> dic
     return {"shape": shape, "prompt_tokens": prompt_len, "new_tokens": new, "accept_rate": accept, "rows": rows}
 
 
+def check_steps(device: torch.device, quick: bool, repeats: int = 5) -> dict:
+    """Median seconds of one target forward (batch x new tokens x cached tokens, fake cached KV: the time does
+    not depend on its values) and of one EAGLE-3.1 drafter round (chain of 5, tree 4x4 budget 16) per batch."""
+    from orchestrator.models.init import init_drafter
+    from orchestrator.spec.proposer import EagleProposer, ProposeItem
+    from orchestrator.spec.sampling import SamplingParams
+
+    hf = SMALL if quick else LLAMA_8B
+    batches = (1, 4) if quick else (1, 4, 16, 64)
+    contexts = (64,) if quick else (256, 2048)
+    news = (1, 4, 16)
+    model, _ = successor_target(hf, device)
+    cache = model.new_cache(max(batches), max(contexts) + max(news))
+    gen = torch.Generator().manual_seed(4)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            began = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    target_rows = []
+    for batch in batches:
+        slots = torch.arange(batch)
+        for context in contexts:
+            for new in news:
+                ids = torch.randint(3, hf["vocab_size"], (batch * new,), generator=gen)
+                num = torch.full((batch,), new)
+
+                def forward(ids=ids, slots=slots, num=num, context=context):
+                    cache.lengths[slots] = context
+                    cache.block_start[slots] = context
+                    model(ids, cache, slots, num, logits="all")
+
+                row = {"batch": batch, "context": context, "new": new, "seconds": timed(forward)}
+                target_rows.append(row)
+    draft_vocab = min(32000, hf["vocab_size"] // 2)
+    drafter = init_drafter(model, "eagle3.1", torch.arange(draft_vocab)).to(device)
+    aux_width = len(drafter.config.aux_layer_ids) * hf["hidden_size"]
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    draft_rows = []
+    for name, (depth, topk, budget) in {"chain": (5, 1, 5), "tree": (4, 4, 16)}.items():
+        for batch in batches:
+            proposer = EagleProposer(drafter, depth, topk, max_requests=batch, max_tokens=max(contexts) + 256)
+
+            def items(m: int, budget: int = budget, batch: int = batch) -> list:
+                return [
+                    ProposeItem(
+                        f"r{i}",
+                        torch.randint(3, hf["vocab_size"], (m,), generator=gen),
+                        torch.randn(m, aux_width, generator=gen, dtype=torch.bfloat16),
+                        params,
+                        None,
+                        budget,
+                    )
+                    for i in range(batch)
+                ]
+
+            proposer.propose(items(min(contexts), 0))  # the prompt's pairs, committed
+            seconds = timed(lambda proposer=proposer, items=items: proposer.propose(items(2)))  # 2 new pairs each
+            draft_rows.append({"shape": name, "batch": batch, "seconds": seconds})
+    shape = {k: hf[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    return {"shape": shape, "draft_vocab": draft_vocab, "target": target_rows, "drafter": draft_rows}
+
+
+def check_invariance(device: torch.device, work: Path, quick: bool) -> dict:
+    """Why bf16 speculation can differ from target-only: the logits of 5 tokens decoded one forward each (decode
+    steps) against the same 5 in one forward (a verify step), and one at a time with an explicit mask
+    (the attention's masked path alone), on the tiny target and the 8B-shaped one; with cuBLAS' reduced-
+    precision bf16 reductions allowed (PyTorch's default) and not. Then the tiny target's greedy outputs,
+    EAGLE chain against target-only, with them off."""
+    from orchestrator.engine.engine import load_engine
+    from orchestrator.models.target import TargetModel
+    from orchestrator.spec.proposer import SpecConfig
+    from orchestrator.spec.sampling import SamplingParams
+
+    model_dir = work / "tiny"
+    if not model_dir.is_dir():
+        _tiny_target(model_dir)
+    models = {"tiny": TargetModel.from_pretrained(model_dir, dtype="bfloat16", device=device)}
+    models["8B shape"] = successor_target(SMALL if quick else LLAMA_8B, device)[0]
+    matmul = torch.backends.cuda.matmul
+    default = matmul.allow_bf16_reduced_precision_reduction
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    try:
+        for reduced in (True, False):
+            matmul.allow_bf16_reduced_precision_reduction = reduced
+            for name, model in models.items():
+                ids = torch.randint(3, model.vocab_size, (25,), generator=gen)
+                logits = {}
+                for how, new, mask in (("1 token", 1, None), ("5 tokens", 5, None), ("1 token, masked", 1, True)):
+                    cache = model.new_cache(1, 64)
+                    slot = torch.tensor([0])
+                    model(ids[:20], cache, slot, torch.tensor([20]), logits="none")
+                    block = None if mask is None else torch.ones(1, 1, 1, dtype=torch.bool)
+                    rows_out = []
+                    for at in range(20, 25, new):  # tokens 20..24: one forward each, or one forward of all 5
+                        out = model(ids[at : at + new], cache, slot, torch.tensor([new]), block_mask=block)
+                        rows_out.append(out.logits.float())
+                    logits[how] = torch.cat(rows_out)  # [5, vocab]
+                base = logits["1 token"]
+                scale = float(base.abs().max())
+                for how in ("5 tokens", "1 token, masked"):
+                    diff = float((logits[how] - base).abs().max())
+                    rows.append(
+                        {
+                            "reduced_precision": reduced,
+                            "model": name,
+                            "against_1_token": how,
+                            "max_abs_diff": diff,
+                            "relative": diff / scale,
+                        }
+                    )
+        kw = {"eos_token_ids": [], "device": str(device), "dtype": "bfloat16"}
+        prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (5, 9, 14, 21, 30, 47)]
+        params = SamplingParams(max_tokens=16 if quick else 64, temperature=0.0, ignore_eos=True)
+        drafter_dir = _tiny_drafter(work)
+        equal = {}
+        for reduced in (True, False):
+            matmul.allow_bf16_reduced_precision_reduction = reduced
+            plain = load_engine(model_dir, None, max_batch=len(prompts), **kw)
+            base = [g.token_ids for g in plain.generate(prompts, params)]
+            spec = load_engine(model_dir, drafter_dir, SpecConfig(num_spec_tokens=4), len(prompts), **kw)
+            got = [g.token_ids for g in spec.generate(prompts, params)]
+            equal[str(reduced)] = f"{sum(a == b for a, b in zip(got, base, strict=True))}/{len(prompts)}"
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = default
+    return {"rows": rows, "eagle_chain_equal_target_only_bf16": equal}
+
+
+def check_profile(device: torch.device, quick: bool) -> dict:
+    """Where a round's time goes on the 8B shape, batch 1: torch.profiler's top operators (self time on the
+    host and on the device) for the engine with the free replay proposer, and for one EAGLE-3.1 drafter round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from orchestrator.engine.engine import SpecEngine
+    from orchestrator.models.init import init_drafter
+    from orchestrator.runtime.workers import DraftWorker, TargetWorker
+    from orchestrator.spec.proposer import EagleProposer, ProposeItem
+    from orchestrator.spec.replay import ReplayProposer
+    from orchestrator.spec.sampling import SamplingParams
+
+    hf = SMALL if quick else LLAMA_8B
+    model, perm = successor_target(hf, device)
+    prompt = torch.randint(3, hf["vocab_size"], (128,), generator=torch.Generator().manual_seed(6)).tolist()
+    token, continuation = prompt[-1], []
+    for _ in range(32):
+        token = int(perm[token])
+        continuation.append(token)
+    refs = {"prompts": [prompt], "outputs": [continuation]}
+    target = TargetWorker(model, [], max_batch=1, max_model_len=256)
+    engine = SpecEngine(target, DraftWorker(ReplayProposer(refs, hf["vocab_size"], 4, accept_rate=0.8)), 4)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    engine.generate([prompt], params)  # warm-up
+    tables = {}
+    with profile(activities=activities) as prof:
+        engine.generate([prompt], params)
+        _sync(device)
+    tables["engine + replay, 32 tokens"] = _top(prof, sort)
+    drafter = init_drafter(model, "eagle3.1", torch.arange(min(32000, hf["vocab_size"] // 2))).to(device)
+    aux_width = len(drafter.config.aux_layer_ids) * hf["hidden_size"]
+    proposer = EagleProposer(drafter, 5, 1, max_requests=1, max_tokens=512)
+
+    def items(m: int, budget: int) -> list:
+        aux = torch.randn(m, aux_width, dtype=torch.bfloat16)
+        return [ProposeItem("r", torch.randint(3, hf["vocab_size"], (m,)), aux, params, None, budget)]
+
+    proposer.propose(items(128, 0))
+    proposer.propose(items(2, 5))  # warm-up
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            proposer.propose(items(2, 5))
+        _sync(device)
+    tables["EAGLE-3.1 chain of 5, 3 rounds"] = _top(prof, sort)
+    return {"tables": tables}
+
+
+def _top(prof, sort: str, rows: int = 20) -> str:
+    for key in (sort, "self_cpu_time_total"):  # the device's column only where the profiler recorded one
+        try:
+            return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        except (AttributeError, KeyError, RuntimeError):
+            continue
+    return ""
+
+
 def _run_engine(device, engine, prompts, params, continuations) -> tuple[float, float | None]:
     """Per-user tokens/s of one engine run, and its acceptance length; the output must be the continuation."""
     _sync(device)
@@ -334,21 +565,38 @@ def _run_transformers(device, model, ids: torch.Tensor, new: int) -> tuple[float
 
 
 def table(result: dict) -> str:
-    header = "| path | dtype | against | sequences equal | tokens before first difference | tau |"
-    lines = ["## lossless (greedy)", header, "|---" * 6 + "|"]
-    for r in result["lossless"]["rows"]:
+    """The markdown of the checks that ran (a failed one: its error's last line)."""
+    lines = [f"GPU check: {result.get('env', {})}", ""]
+    for name, part in result.items():
+        if name == "env":
+            continue
+        if "error" in part:
+            lines += [f"## {name}: FAILED: {part['error'].strip().splitlines()[-1]}", ""]
+        else:
+            lines += _SECTIONS[name](part) + [""]
+    return "\n".join(lines).rstrip()
+
+
+def _lossless_lines(part: dict) -> list[str]:
+    header = "| path | dtype | against | sequences equal | tokens before first difference | tau | gap at first diff |"
+    lines = ["## lossless (greedy)", header, "|---" * 7 + "|"]
+    for r in part["rows"]:
         tau = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
-        row = [r["path"], r["dtype"], r["against"], r["sequences_equal"], r["tokens_before_first_difference"], tau]
+        gap = "" if r.get("divergence_gap") is None else f"{r['divergence_gap']:.1e}"
+        row = [r["path"], r["dtype"], r["against"], r["sequences_equal"], r["tokens_before_first_difference"], tau, gap]
         lines.append("| " + " | ".join(row) + " |")
-    t = result["training"]
-    lines += [
-        "",
+    return lines
+
+
+def _training_lines(t: dict) -> list[str]:
+    return [
         f"## training: {t['steps']} TTT steps, bf16 autocast: loss {t['loss_first10']:.3f} (first 10) -> "
-        f"{t['loss_last10']:.3f} (last 10), falls: {t['falls']}, {t['seconds']:.1f} s",
-        "",
+        f"{t['loss_last10']:.3f} (last 10), falls: {t['falls']}, {t['seconds']:.1f} s"
     ]
-    th = result["throughput"]
-    lines += [
+
+
+def _throughput_lines(th: dict) -> list[str]:
+    lines = [
         f"## throughput: shape {th['shape']}, bf16, prompt {th['prompt_tokens']} + {th['new_tokens']} tokens, "
         f"replay proposer accept rate {th['accept_rate']} (chain of 4); per-user tokens/s, medians",
         "| batch | engine | engine+spec | transformers | spec/engine [min, max] | spec/transformers [min, max] | tau |",
@@ -361,7 +609,56 @@ def table(result: dict) -> str:
             f"| {r['batch']} | {r['engine_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | "
             f"{a[0]:.2f} [{a[1]:.2f}, {a[2]:.2f}] | {b[0]:.2f} [{b[1]:.2f}, {b[2]:.2f}] | {tau} |"
         )
-    return "\n".join(lines)
+    return lines
+
+
+def _steps_lines(st: dict) -> list[str]:
+    lines = [
+        f"## steps: shape {st['shape']}, bf16; target forward, ms (median)",
+        "| batch | cached tokens | new tokens per sequence | ms |",
+        "|---" * 4 + "|",
+    ]
+    lines += [f"| {r['batch']} | {r['context']} | {r['new']} | {1e3 * r['seconds']:.2f} |" for r in st["target"]]
+    lines += [
+        "",
+        f"EAGLE-3.1 drafter round ({st['draft_vocab']} draft tokens), 2 new pairs per request, ms (median)",
+        "| shape | batch | ms |",
+        "|---" * 3 + "|",
+    ]
+    lines += [f"| {r['shape']} | {r['batch']} | {1e3 * r['seconds']:.2f} |" for r in st["drafter"]]
+    return lines
+
+
+def _invariance_lines(part: dict) -> list[str]:
+    lines = [
+        "## bf16 invariance: the logits of 5 tokens decoded one forward each, against",
+        "| cuBLAS reduced-precision reductions | target | against | max abs diff | relative to the largest logit |",
+        "|---" * 5 + "|",
+    ]
+    for r in part["rows"]:
+        lines.append(
+            f"| {r['reduced_precision']} | {r['model']} | {r['against_1_token']} | {r['max_abs_diff']:.2e} | "
+            f"{r['relative']:.1e} |"
+        )
+    equal = part["eagle_chain_equal_target_only_bf16"]
+    return lines + ["", f"EAGLE chain = target-only, bf16, sequences equal, by reduced-precision setting: {equal}"]
+
+
+def _profile_lines(part: dict) -> list[str]:
+    lines = []
+    for name, text in part["tables"].items():
+        lines += [f"## profile: {name}", "```", text, "```"]
+    return lines
+
+
+_SECTIONS = {
+    "lossless": _lossless_lines,
+    "training": _training_lines,
+    "throughput": _throughput_lines,
+    "steps": _steps_lines,
+    "invariance": _invariance_lines,
+    "profile": _profile_lines,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes (a CPU smoke run)")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/gpu-check"))
-    parser.add_argument("--skip", nargs="*", default=[], choices=("lossless", "training", "throughput"))
+    parser.add_argument("--skip", nargs="*", default=[], choices=tuple(_SECTIONS))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons mean fp32
@@ -383,18 +680,26 @@ def main(argv: list[str] | None = None) -> int:
             ("lossless", lambda: check_lossless(device, work, args.quick)),
             ("training", lambda: check_training(device, work, args.quick)),
             ("throughput", lambda: check_throughput(device, args.quick)),
+            ("steps", lambda: check_steps(device, args.quick)),
+            ("invariance", lambda: check_invariance(device, work, args.quick)),
+            ("profile", lambda: check_profile(device, args.quick)),
         ):
             if name in args.skip:
                 continue
             began = time.perf_counter()
-            result[name] = fn()
+            try:
+                result[name] = fn()
+            except Exception:  # noqa: BLE001 - one GPU session: record it, run the other checks
+                result[name] = {"error": traceback.format_exc()}
+                print(result[name]["error"], flush=True)
             print(f"{name}: done in {time.perf_counter() - began:.0f} s", flush=True)
             (out / "gpu-check.json").write_text(json.dumps(result, indent=2) + "\n")
-    if not args.skip:
-        text = table(result)
-        (out / "gpu-check.md").write_text(text + "\n")
-        print(text)
-    return 0
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    text = table(result)
+    (out / "gpu-check.md").write_text(text + "\n")
+    print(text)
+    return 1 if any("error" in v for k, v in result.items() if k != "env") else 0
 
 
 if __name__ == "__main__":

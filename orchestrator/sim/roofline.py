@@ -8,6 +8,8 @@ bandwidth removes. Every constant comes with its public source in the config tha
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from orchestrator.config import StrictModel
@@ -73,3 +75,73 @@ class Network(StrictModel):
     nvlink: Link = Field(description="within one NVLink domain (a setup's link: nvlink)")
     infiniband: Link = Field(description="across InfiniBand (a setup's link: infiniband)")
     sources: dict[str, str] = Field({}, description="where each constant comes from")
+
+
+def against_measured(steps: dict, model: ModelShape, gpu: Accelerator) -> dict:
+    """`make gpu-check`'s target step times (its `steps` section) beside this roofline on the same GPU and shape.
+
+    Rows: measured and roofline seconds and their ratio per (batch, cached tokens, new tokens). `per_layer_s`:
+    the floor the measurement implies, (batch-1 one-token step - the roofline's body) / layers, the constant
+    that replaces the roofline's for that GPU when the measured engine is the one being planned."""
+    cost = roofline_cost(model, gpu, Placement())
+    rows = []
+    for r in steps["target"]:
+        tokens = r["batch"] * r["new"]
+        roofline = cost.seconds(tokens, r["batch"] * r["context"])
+        rows.append(r | {"roofline_s": roofline, "measured_over_roofline": r["seconds"] / roofline})
+    decode = min(
+        (r for r in steps["target"] if r["batch"] == 1 and r["new"] == 1), key=lambda r: r["context"], default=None
+    )
+    floor = None
+    if decode is not None:
+        body = cost.seconds(1, decode["context"]) - cost.fixed_s
+        floor = max(0.0, (decode["seconds"] - body) / model.layers)
+    return {
+        "gpu": gpu.name,
+        "model": model.name,
+        "rows": rows,
+        "per_layer_s": floor,
+        "roofline_per_layer_s": gpu.per_layer_s,
+    }
+
+
+def against_measured_table(result: dict) -> str:
+    lines = [
+        f"{result['model']} on {result['gpu']}: measured target forward vs roofline (per-layer floor "
+        f"{1e6 * result['roofline_per_layer_s']:.0f} us)",
+        "| batch | cached tokens | new tokens | measured ms | roofline ms | measured / roofline |",
+        "|---" * 6 + "|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['new']} | {1e3 * r['seconds']:.2f} | {1e3 * r['roofline_s']:.2f} | "
+            f"{r['measured_over_roofline']:.2f} |"
+        )
+    if result["per_layer_s"] is not None:
+        lines += ["", f"per-layer floor implied by the measured batch-1 decode: {1e6 * result['per_layer_s']:.0f} us"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m orchestrator.sim.roofline --gpu-check FILE --plan PLAN.yaml [--hardware HW.yaml]"""
+    import argparse
+    import json
+
+    import yaml
+
+    from orchestrator.sim.plan import PlanConfig
+
+    parser = argparse.ArgumentParser(description="gpu-check's measured step times beside the roofline")
+    parser.add_argument("--gpu-check", required=True, help="gpu-check.json of `make gpu-check`")
+    parser.add_argument("--plan", required=True, help="a plan config: its target's shape")
+    parser.add_argument("--hardware", help="the GPU the check ran on (default: the plan's)")
+    args = parser.parse_args(argv)
+    data = yaml.safe_load(Path(args.plan).read_text()) | ({"hardware": args.hardware} if args.hardware else {})
+    cfg = PlanConfig.model_validate(data)
+    steps = json.loads(Path(args.gpu_check).read_text())["steps"]
+    print(against_measured_table(against_measured(steps, cfg.target, cfg.gpu)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

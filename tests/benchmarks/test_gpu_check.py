@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.benchmarks.gpu_check import SMALL, _run_engine, successor_target, table
+from orchestrator.benchmarks.gpu_check import SMALL, _run_engine, check_steps, successor_target, table
 from orchestrator.engine.engine import SpecEngine
 from orchestrator.runtime.workers import DraftWorker, TargetWorker
 from orchestrator.spec.replay import ReplayProposer
@@ -61,5 +61,32 @@ def test_table_renders_every_section():
             ],
         },
     }
+    result["steps"] = {"error": "Traceback (most recent call last):\n  ...\nRuntimeError: CUDA out of memory"}
     text = table(result)
     assert "| replay chain | float32 |" in text and "falls: True" in text and "| 1 | 40.0 | 100.0 | 30.0 |" in text
+    assert "## steps: FAILED: RuntimeError: CUDA out of memory" in text
+
+
+def test_step_times_cover_every_shape_and_render():
+    """The planner's step times, small on the CPU: every (batch, context, new) target forward and both drafter
+    round shapes at each batch, positive and rendered."""
+    steps = check_steps(torch.device("cpu"), quick=True, repeats=1)
+    assert {(r["batch"], r["context"], r["new"]) for r in steps["target"]} == {
+        (b, 64, n) for b in (1, 4) for n in (1, 4, 16)
+    }
+    assert {(r["shape"], r["batch"]) for r in steps["drafter"]} == {(s, b) for s in ("chain", "tree") for b in (1, 4)}
+    assert all(r["seconds"] > 0 for r in steps["target"] + steps["drafter"])
+    assert "| tree | 4 |" in table({"steps": steps})
+
+
+def test_serving_forwards_leave_cudnn_attention_out():
+    """cuDNN's attention built a new plan for every new shape on an H200 (~20 ms each, `make gpu-check`'s
+    profile): the serving path's forwards run with it disabled, and the setting does not leak out."""
+    from orchestrator.models.layers import attention_kernels
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_kernels():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
