@@ -21,7 +21,14 @@ from torch import nn
 
 from orchestrator.errors import AerieError
 from orchestrator.models.kv_cache import KVCache
-from orchestrator.models.layers import AttentionContext, DecoderConfig, DecoderLayer, RMSNorm, rope_inv_freq
+from orchestrator.models.layers import (
+    AttentionContext,
+    DecoderConfig,
+    DecoderLayer,
+    RMSNorm,
+    attention_kernels,
+    rope_inv_freq,
+)
 
 
 @dataclass(frozen=True)
@@ -205,9 +212,10 @@ class Drafter(nn.Module):
         previous step's `next_hidden`. Appends to the drafter's KV cache like the target does.
         """
         ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
-        x = self.layers[0].forward_eagle(self.embed(token_ids.to(self.device)), hidden, ctx)
-        for layer in self.layers[1:]:
-            x = layer(layer.input_layernorm(x), x, ctx)
+        with attention_kernels():
+            x = self.layers[0].forward_eagle(self.embed(token_ids.to(self.device)), hidden, ctx)
+            for layer in self.layers[1:]:
+                x = layer(layer.input_layernorm(x), x, ctx)
         cache.advance(slots, num_tokens)
         post = self.norm(x)  # [N, H]
         return DraftOutput(self.lm_head(post), post if self.config.norm_output else x)

@@ -12,13 +12,25 @@ sequence that `block_mask` allows (causal by default; a draft tree for verificat
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from orchestrator.models.kv_cache import KVCache
+
+# cuDNN's fused attention, PyTorch's first choice on Hopper, builds an execution plan for each new shape: about
+# 20 ms of host time per new (span, mask) on an H200 (`make gpu-check`'s profile, 2026-12-04), and decode and
+# verification change the shape every step. Flash, memory-efficient and math attention take any shape at no cost.
+_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_kernels() -> AbstractContextManager:
+    """The attention kernels a forward of the serving path may use (around the whole layer stack, once)."""
+    return sdpa_kernel(_ATTENTION_BACKENDS)
 
 
 @dataclass(frozen=True)

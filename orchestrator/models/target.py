@@ -27,6 +27,7 @@ from orchestrator.models.layers import (
     DecoderConfig,
     DecoderLayer,
     RMSNorm,
+    attention_kernels,
     fuse_layer_weights,
     pack_linears_for_cpu,
     rope_inv_freq,
@@ -275,10 +276,11 @@ class TargetModel(nn.Module):
         ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
         x = self.embed_tokens(token_ids.to(self.device))  # [N, hidden]
         aux = [x] if 0 in self.aux_layer_ids else []
-        for i, layer in enumerate(self.layers):
-            x = layer(layer.input_layernorm(x), x, ctx)
-            if i + 1 in self.aux_layer_ids:
-                aux.append(x)
+        with attention_kernels():
+            for i, layer in enumerate(self.layers):
+                x = layer(layer.input_layernorm(x), x, ctx)
+                if i + 1 in self.aux_layer_ids:
+                    aux.append(x)
         cache.advance(slots, num_tokens)
         final = self.norm(x)  # [N, hidden]
         if logits == "all":
