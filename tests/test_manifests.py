@@ -64,6 +64,7 @@ CONFIG_JOBS = {  # a config file's name -> the job that reads it
     "adapt": "jobs.adapt",
     "benchmark_serving": "jobs.benchmark_serving",
     "plan": "jobs.plan",
+    "plan-h200": "jobs.plan",
 }
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}  # GPU nodes' usual taint
 ENTRYPOINT = re.compile(r"^python -m (?P<module>[\w.]+) --config (?P<config>\S+)$")

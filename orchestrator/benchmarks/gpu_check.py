@@ -413,7 +413,13 @@ def check_steps(device: torch.device, quick: bool, repeats: int = 5) -> dict:
             seconds = timed(lambda proposer=proposer, items=items: proposer.propose(items(2)))  # 2 new pairs each
             draft_rows.append({"shape": name, "batch": batch, "seconds": seconds})
     shape = {k: hf[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
-    return {"shape": shape, "draft_vocab": draft_vocab, "target": target_rows, "drafter": draft_rows}
+    return {
+        "shape": shape,
+        "draft_vocab": draft_vocab,
+        "draft_context": min(contexts),
+        "target": target_rows,
+        "drafter": draft_rows,
+    }
 
 
 def check_invariance(device: torch.device, work: Path, quick: bool) -> dict:

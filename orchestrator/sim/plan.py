@@ -29,7 +29,7 @@ from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
 from orchestrator.runtime.scheduler import SchedulerConfig
 from orchestrator.sim.costs import AcceptanceProfile, CostModel
-from orchestrator.sim.roofline import Accelerator, ModelShape, Network, Placement, roofline_cost
+from orchestrator.sim.roofline import Accelerator, ModelShape, Network, Placement, measured_costs, roofline_cost
 from orchestrator.spec.proposer import SpecConfig
 
 
@@ -96,6 +96,11 @@ class PlanConfig(StrictModel):
         description="against each adaptive disaggregated setup, fixed settings (speculation off, chains of 1-5, the "
         "setup's tree whole every round) at every concurrency: where adaptive loses to the best by > 5%",
     )
+    measured: str | None = Field(
+        None,
+        description="gpu-check.json of `make gpu-check` on this plan's GPU: step costs fitted from its measured "
+        "target forwards and drafter rounds replace the roofline's (this project's engine, as it ran there)",
+    )
     mlflow_experiment: str = Field("aerie-plan", description="MLflow experiment of the plan's run")
     output_dir: str = Field("runs/plan", description="result.json, table and plot")
 
@@ -139,11 +144,14 @@ def run_plan(cfg: PlanConfig, out: Path) -> dict:
 
 def costs_of(cfg: PlanConfig, setup: Setup) -> CostModel:
     """The roofline costs of a setup: the target on its placement; the drafter on the target's GPUs
-    (colocated) or on a GPU of its own behind the setup's link."""
-    target = roofline_cost(cfg.target, cfg.gpu, cfg.target_placement)
-    drafter = cfg.drafter or cfg.target
+    (colocated) or on a GPU of its own behind the setup's link. With `measured`, gpu-check's fitted costs."""
     colocated = setup.kind == "colocated"
-    draft = roofline_cost(drafter, cfg.gpu, cfg.target_placement if colocated else Placement())
+    if cfg.measured is not None:
+        target, draft = _measured(cfg.measured)
+    else:
+        target = roofline_cost(cfg.target, cfg.gpu, cfg.target_placement)
+        drafter = cfg.drafter or cfg.target
+        draft = roofline_cost(drafter, cfg.gpu, cfg.target_placement if colocated else Placement())
     return CostModel(
         target=target,
         draft=draft,
@@ -152,6 +160,15 @@ def costs_of(cfg: PlanConfig, setup: Setup) -> CostModel:
         colocated=colocated,
         aux_bytes_per_token=3 * cfg.target.hidden_size * 2 + 8,  # 3 aux hidden states in bf16, the token id
     )
+
+
+@functools.cache
+def _measured(path: str):
+    """(target, drafter) StepCosts fitted from a gpu-check.json's steps (read once per plan)."""
+    data = json.loads(Path(path).read_text())
+    if "target" not in data.get("steps", {}):
+        raise AerieError(f"{path} has no measured steps: run `make gpu-check` (its steps section) on the GPU")
+    return measured_costs(data["steps"])
 
 
 def _served(setup: Setup) -> tuple[dict, dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import Field
 
 from orchestrator.config import StrictModel
-from orchestrator.sim.costs import Link, StepCost
+from orchestrator.sim.costs import Link, Step, StepCost, fit_step_cost
 
 
 class Accelerator(StrictModel):
@@ -75,6 +75,25 @@ class Network(StrictModel):
     nvlink: Link = Field(description="within one NVLink domain (a setup's link: nvlink)")
     infiniband: Link = Field(description="across InfiniBand (a setup's link: infiniband)")
     sources: dict[str, str] = Field({}, description="where each constant comes from")
+
+
+DRAFT_ROUNDS = {"chain": (5, 1), "tree": (4, 4)}  # gpu-check's drafter rounds: (depth, top k)
+
+
+def measured_costs(steps: dict) -> tuple[StepCost, StepCost]:
+    """`make gpu-check`'s measured steps as the planner's costs (the summed form, least squares, as on a CPU):
+    the target from its forwards (a forward of more than one new token per sequence verifies: masked), the
+    drafter from its rounds, one forward per level over the pairs committed and the nodes expanded."""
+    target = fit_step_cost(
+        [Step(r["batch"] * r["new"], r["seconds"], r["batch"] * r["context"], r["new"] > 1) for r in steps["target"]]
+    )
+    context = steps.get("draft_context", 256)
+    draft = []
+    for r in steps["drafter"]:
+        depth, topk = DRAFT_ROUNDS[r["shape"]]
+        tokens = 2 * r["batch"] + (depth - 1) * r["batch"] * topk
+        draft.append(Step(tokens, r["seconds"], r["batch"] * context, forwards=depth))
+    return target, fit_step_cost(draft)
 
 
 def against_measured(steps: dict, model: ModelShape, gpu: Accelerator) -> dict:

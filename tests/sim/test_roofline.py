@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from orchestrator.sim.plan import PlanConfig
@@ -37,3 +38,26 @@ def test_every_measured_step_gets_its_roofline_and_the_implied_floor():
 def test_cli_prints_the_table(capsys):
     assert main(["--gpu-check", str(RUN), "--plan", PLAN, "--hardware", "configs/hardware/h200.yaml"]) == 0
     assert "Llama-3.1-8B-Instruct on H200" in capsys.readouterr().out
+
+
+def test_measured_costs_fit_the_small_batches_and_a_plan_takes_them(tmp_path):
+    """The measured plan's costs: fitted to gpu-check's forwards, within 20% where the planner's users sit
+    (batch <= 4); a gpu-check.json without steps is a one-line error."""
+    from orchestrator.errors import AerieError
+    from orchestrator.sim.plan import _measured, costs_of
+    from orchestrator.sim.roofline import measured_costs
+
+    steps = json.loads(RUN.read_text())["steps"]
+    target, draft = measured_costs(steps)
+    assert 0.010 < target.fixed_s < 0.016  # eager: the floor is most of a step
+    for r in steps["target"]:
+        if r["batch"] <= 4:
+            predicted = target.seconds(r["batch"] * r["new"], r["batch"] * r["context"], r["new"] > 1)
+            assert abs(predicted / r["seconds"] - 1) < 0.2, r
+    assert draft.fixed_s > target.fixed_s  # a drafter forward cost more than a target one (cuDNN's plans)
+    cfg = _plan().model_copy(update={"measured": str(RUN)})
+    setup = cfg.setups[0]
+    assert costs_of(cfg, setup).target.fixed_s == pytest.approx(target.fixed_s)  # the fit, not the roofline
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(AerieError, match="no measured steps"):
+        _measured(str(tmp_path / "empty.json"))
