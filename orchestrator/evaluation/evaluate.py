@@ -181,6 +181,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     prompts = build_sets(cfg, model_dir, tokenizer, eos)
     result = {"prompts": _count(prompts), "max_tokens": cfg.max_tokens, "drafters": {}}
     result["prompt_labels"] = [[p.set, p.label] for p in prompts]  # the rows of every method's per_prompt
+    result["prompt_categories"] = [p.category for p in prompts]  # MT-Bench's, "" elsewhere
     chains = [(m, s) for m, s in cfg.methods.items() if s.method == "chain"]
     with bar(total=len(drafters) * len(cfg.methods) * len(prompts), desc="evaluate", unit="answer") as answers:
         for name, drafter_dir in drafters.items():
@@ -231,19 +232,23 @@ def format_table(result: dict) -> str:
 
 
 def compare(result: dict) -> dict:
-    """Per method and set ('all' and each set): every drafter's tau with its 95% bootstrap interval over prompts,
+    """Per method and set ('all', each set, and MT-Bench's categories as mtbench/CATEGORY): every drafter's tau
+    with its 95% bootstrap interval over prompts,
     and its ratio to the first drafter (the baseline) with the paired interval (the same prompt draws for both;
     stats.tau_ratio with one seed). {method: {set: {drafter: {"tau", "interval", "ratio", "ratio_interval"}}}}"""
     import numpy as np
 
     sets = [s for s, _ in result["prompt_labels"]]
+    categories = result.get("prompt_categories") or [""] * len(sets)
+    groups = {name: [i for i, s in enumerate(sets) if name in ("all", s)] for name in ["all", *dict.fromkeys(sets)]}
+    for c in dict.fromkeys(c for c in categories if c):  # MT-Bench by category: set/category
+        groups[f"{sets[categories.index(c)]}/{c}"] = [i for i, x in enumerate(categories) if x == c]
     names = list(result["drafters"])
     methods = [m for m in result["drafters"][names[0]]["engine"] if m != "draft_vocab_coverage"]
     out: dict = {}
     for method in methods:
         per = {n: np.asarray(result["drafters"][n]["engine"][method]["per_prompt"], dtype=float) for n in names}
-        for set_name in ["all", *dict.fromkeys(sets)]:
-            rows = [i for i, s in enumerate(sets) if set_name in ("all", s)]
+        for set_name, rows in groups.items():
             cells = {}
             for n in names:
                 r = tau_ratio(per[n][rows][None], per[names[0]][rows][None])

@@ -38,6 +38,7 @@ class EvalPrompt:
     set: str
     label: str  # bucket / template variant / turn
     ids: list[int]
+    category: str = ""  # MT-Bench's category (writing, ..., humanities); "" elsewhere
 
 
 def mtbench_prompt_ids(
@@ -68,8 +69,12 @@ def mtbench_prompt_ids(
 
 def mtbench_set(model_dir: Path, tokenizer, eos: Sequence[int], num_questions: int, answer_tokens: int) -> list:
     ids = mtbench_prompt_ids(model_dir, tokenizer, eos, num_questions, answer_tokens)
+    categories = [q["category"] for q in mtbench_questions()[:num_questions]] * 2  # first turns, then second
     half = len(ids) // 2
-    return [EvalPrompt("mtbench", "turn 1" if i < half else "turn 2", p) for i, p in enumerate(ids)]
+    return [
+        EvalPrompt("mtbench", "turn 1" if i < half else "turn 2", p, c)
+        for i, (p, c) in enumerate(zip(ids, categories, strict=True))
+    ]
 
 
 def held_out_sequences(data: str) -> Iterator:

@@ -38,3 +38,14 @@ def test_taus_ratios_and_intervals_per_set():
 def test_a_drafter_that_never_drafted_on_a_set_has_tau_one():
     result = compare(_result({"a": [[0, 0], [0, 0]], "b": [[4, 2], [4, 2]]}, ["long", "long"]))
     assert result["chain-5"]["long"]["a"]["tau"] == 1.0 and result["chain-5"]["long"]["b"]["ratio"] == 1.5
+
+
+def test_mtbench_categories_get_rows_of_their_own():
+    """MT-Bench's prompts carry their category: each gets a row (mtbench/CATEGORY) over its prompts alone."""
+    sets = ["mtbench"] * 4 + ["templates"] * 2
+    result = _result({"a": [[10, 10], [10, 0], [10, 10], [10, 0]] + [[10, 5]] * 2}, sets)
+    result["prompt_categories"] = ["math", "coding", "math", "coding", "", ""]
+    out = compare(result)["chain-5"]
+    assert list(out) == ["all", "mtbench", "templates", "mtbench/math", "mtbench/coding"]
+    assert out["mtbench/math"]["a"]["tau"] == 2.0 and out["mtbench/coding"]["a"]["tau"] == 1.0
+    assert out["mtbench"]["a"]["tau"] == 1.5
