@@ -90,3 +90,20 @@ def test_serving_forwards_leave_cudnn_attention_out():
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
         assert torch.backends.cuda.math_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_invariance_and_profile_sections_run_small_on_the_cpu(tmp_path):
+    """The GPU run's diagnostic sections, small: a verify forward equals decode forwards bit for bit for one
+    sequence (the CPU's kernels too), the EAGLE chain's outputs are counted, and the profile has both tables."""
+    from orchestrator.benchmarks.gpu_check import check_invariance, check_profile
+
+    inv = check_invariance(torch.device("cpu"), tmp_path, quick=True)
+    assert {(r["model"], r["against_1_token"]) for r in inv["rows"]} == {
+        (m, a) for m in ("tiny", "8B shape") for a in ("5 tokens", "1 token, masked")
+    }
+    assert all(r["max_abs_diff"] == 0.0 for r in inv["rows"])
+    assert set(inv["eagle_chain_equal_target_only_bf16"]) == {"True", "False"}
+    profile = check_profile(torch.device("cpu"), quick=True)
+    assert set(profile["tables"]) == {"engine + replay, 32 tokens", "EAGLE-3.1 chain of 5, 3 rounds"}
+    assert "aten::mm" in profile["tables"]["engine + replay, 32 tokens"]
+    assert "## profile: EAGLE-3.1 chain of 5, 3 rounds" in table({"profile": profile})
