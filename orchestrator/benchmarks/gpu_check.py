@@ -426,7 +426,8 @@ def check_invariance(device: torch.device, work: Path, quick: bool) -> dict:
     """Why bf16 speculation can differ from target-only: the logits of 5 tokens decoded one forward each (decode
     steps) against the same 5 in one forward (a verify step), and one at a time with an explicit mask
     (the attention's masked path alone), on the tiny target and the 8B-shaped one; with cuBLAS' reduced-
-    precision bf16 reductions allowed (PyTorch's default) and not. Then the tiny target's greedy outputs,
+    precision bf16 reductions allowed (PyTorch's default) and not; and a short sequence's decode step alone against
+    the same step batched beside a longer one (its attention span padded). Then the tiny target's greedy outputs,
     EAGLE chain against target-only, with them off."""
     from orchestrator.engine.engine import load_engine
     from orchestrator.models.target import TargetModel
@@ -458,8 +459,27 @@ def check_invariance(device: torch.device, work: Path, quick: bool) -> dict:
                         out = model(ids[at : at + new], cache, slot, torch.tensor([new]), block_mask=block)
                         rows_out.append(out.logits.float())
                     logits[how] = torch.cat(rows_out)  # [5, vocab]
+                # the first 9 tokens' last decode step beside a 25-token sequence: its span padded to 25
+                short = model.new_cache(1, 64)
+                model(ids[:8], short, torch.tensor([0]), torch.tensor([8]), logits="none")
+                alone = model(ids[8:9], short, torch.tensor([0]), torch.tensor([1])).logits.float()  # [1, vocab]
+                pair = model.new_cache(2, 64)
+                model(ids[:8], pair, torch.tensor([0]), torch.tensor([8]), logits="none")
+                model(ids[:24], pair, torch.tensor([1]), torch.tensor([24]), logits="none")
+                both = model(ids[[8, 24]], pair, torch.tensor([0, 1]), torch.tensor([1, 1])).logits  # [2, vocab]
+                both = both.float()
                 base = logits["1 token"]
                 scale = float(base.abs().max())
+                diff = float((both[0] - alone[0]).abs().max())
+                rows.append(
+                    {
+                        "reduced_precision": reduced,
+                        "model": name,
+                        "against_1_token": "beside a longer sequence (9 vs 25 tokens)",
+                        "max_abs_diff": diff,
+                        "relative": diff / float(alone.abs().max()),
+                    }
+                )
                 for how in ("5 tokens", "1 token, masked"):
                     diff = float((logits[how] - base).abs().max())
                     rows.append(

@@ -94,14 +94,16 @@ def test_serving_forwards_leave_cudnn_attention_out():
 
 def test_invariance_and_profile_sections_run_small_on_the_cpu(tmp_path):
     """The GPU run's diagnostic sections, small: a verify forward equals decode forwards bit for bit for one
-    sequence (the CPU's kernels too), the EAGLE chain's outputs are counted, and the profile has both tables."""
+    sequence (the CPU's kernels too; batched beside a longer sequence it need not), the EAGLE chain's outputs
+    are counted, and the profile has both tables."""
     from orchestrator.benchmarks.gpu_check import check_invariance, check_profile
 
     inv = check_invariance(torch.device("cpu"), tmp_path, quick=True)
+    beside = "beside a longer sequence (9 vs 25 tokens)"
     assert {(r["model"], r["against_1_token"]) for r in inv["rows"]} == {
-        (m, a) for m in ("tiny", "8B shape") for a in ("5 tokens", "1 token, masked")
+        (m, a) for m in ("tiny", "8B shape") for a in ("5 tokens", "1 token, masked", beside)
     }
-    assert all(r["max_abs_diff"] == 0.0 for r in inv["rows"])
+    assert all(r["max_abs_diff"] == 0.0 for r in inv["rows"] if r["against_1_token"] != beside)
     assert set(inv["eagle_chain_equal_target_only_bf16"]) == {"True", "False"}
     profile = check_profile(torch.device("cpu"), quick=True)
     assert set(profile["tables"]) == {"engine + replay, 32 tokens", "EAGLE-3.1 chain of 5, 3 rounds"}
