@@ -25,11 +25,11 @@ $(VENV)/.installed: pyproject.toml requirements-data.txt
 pipeline: install
 	$(PY) -m jobs.pipeline --config configs/smollm2-135m/pipeline.yaml
 
-# Speculation shown: the committed EAGLE-3.1 drafter (demo/, 14 MiB bf16; `make demo-drafter` remakes it) and the
+# Speculation shown: the committed broad EAGLE-3.1 drafter (drafters/, 19 MiB bf16; `make drafters` trains it on) and the
 # target alone answer the same prompts, interleaved; answers, acceptance length and the speed-up with its interval.
 demo: install
 	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)
-	$(VENV)/bin/aerie demo --model $(MODEL_DIR) --drafter drafters/smollm2-135m-chitchat-eagle3.1 --prompts demo/prompts.jsonl \
+	$(VENV)/bin/aerie demo --model $(MODEL_DIR) --drafter drafters/smollm2-135m-broad-eagle3.1 --prompts demo/prompts.jsonl \
 		--max-tokens 96 --repeats 2 --out runs/demo/result.json
 
 # The server across three nodes of this machine (network namespaces on a bridge; root): which actor runs where, and

@@ -13,7 +13,7 @@ from orchestrator.stats import format_ratio, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo"
-DRAFTER = ROOT / "drafters" / "smollm2-135m-chitchat-eagle3.1"
+DRAFTER = ROOT / "drafters" / "smollm2-135m-broad-eagle3.1"
 
 
 def test_the_committed_drafter_is_small_bf16_and_says_where_it_came_from():

@@ -3,7 +3,7 @@ answer, with the checks a bug would fail (finite logits, a consistent draft voca
 it) and the rank it gives each right token.
 
     python -m orchestrator.evaluation.probe --model models/smollm2-135m-instruct \\
-        --drafter drafters/smollm2-135m-chitchat-eagle3.1 --template llama3 --question 0
+        --drafter drafters/smollm2-135m-broad-eagle3.1 --template llama3 --question 0
 
 At each answer position p the drafter's first step reads the target's aux states at p and token p+1 and predicts
 token p+2 (EAGLE-3's layout, as the engine drafts); the answer is the target's greedy continuation.
