@@ -11,8 +11,14 @@ import yaml
 from orchestrator.sim.plan import PlanConfig
 from orchestrator.sim.roofline import against_measured, against_measured_table, main
 
-RUN = Path("docs/operating/gpu-check-h200-2026-12-04.json")
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "docs/operating/gpu-check-h200-2026-12-04.json"
 PLAN = "configs/llama-3.1-8b/plan.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # the plan's hardware and serve configs are paths relative to the repository
 
 
 def _plan() -> PlanConfig:
