@@ -148,17 +148,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import yaml
 
-    from orchestrator.sim.plan import PlanConfig
-
     parser = argparse.ArgumentParser(description="gpu-check's measured step times beside the roofline")
     parser.add_argument("--gpu-check", required=True, help="gpu-check.json of `make gpu-check`")
     parser.add_argument("--plan", required=True, help="a plan config: its target's shape")
     parser.add_argument("--hardware", help="the GPU the check ran on (default: the plan's)")
     args = parser.parse_args(argv)
-    data = yaml.safe_load(Path(args.plan).read_text()) | ({"hardware": args.hardware} if args.hardware else {})
-    cfg = PlanConfig.model_validate(data)
+    plan = yaml.safe_load(Path(args.plan).read_text())  # its target's shape and (default) hardware file
+    hardware = yaml.safe_load(Path(args.hardware or plan["hardware"]).read_text())
+    model, gpu = ModelShape.model_validate(plan["target"]), Accelerator.model_validate(hardware["gpu"])
     steps = json.loads(Path(args.gpu_check).read_text())["steps"]
-    print(against_measured_table(against_measured(steps, cfg.target, cfg.gpu)))
+    print(against_measured_table(against_measured(steps, model, gpu)))
     return 0
 
 
