@@ -427,8 +427,9 @@ def check_invariance(device: torch.device, work: Path, quick: bool) -> dict:
     steps) against the same 5 in one forward (a verify step), and one at a time with an explicit mask
     (the attention's masked path alone), on the tiny target and the 8B-shaped one; with cuBLAS' reduced-
     precision bf16 reductions allowed (PyTorch's default) and not; and a short sequence's decode step alone against
-    the same step batched beside a longer one (its attention span padded). Then the tiny target's greedy outputs,
-    EAGLE chain against target-only, with them off."""
+    the same step batched beside a longer one (its attention span padded); a verify step against decode steps after
+    prefixes of many lengths. Then the tiny target's greedy outputs, EAGLE chain against target-only and target-only
+    batched against each prompt alone, with reduced-precision reductions on and off."""
     from orchestrator.engine.engine import load_engine
     from orchestrator.models.target import TargetModel
     from orchestrator.spec.proposer import SpecConfig
@@ -491,6 +492,19 @@ def check_invariance(device: torch.device, work: Path, quick: bool) -> dict:
                             "relative": diff / scale,
                         }
                     )
+        matmul.allow_bf16_reduced_precision_reduction = default
+        prefixes = []  # does a verify forward's row equal the decode forward's, wherever the sequence stands?
+        for name, model in models.items():
+            ids = torch.randint(3, model.vocab_size, (200,), generator=gen)
+            for prefix in (5, 12, 20, 33, 64, 100, 129, 190):
+                one, five = model.new_cache(1, 256), model.new_cache(1, 256)
+                slot = torch.tensor([0])
+                model(ids[:prefix], one, slot, torch.tensor([prefix]), logits="none")
+                model(ids[:prefix], five, slot, torch.tensor([prefix]), logits="none")
+                steps = [model(ids[t : t + 1], one, slot, torch.tensor([1])).logits for t in range(prefix, prefix + 5)]
+                block = model(ids[prefix : prefix + 5], five, slot, torch.tensor([5])).logits
+                diff = float((torch.cat(steps).float() - block.float()).abs().max())
+                prefixes.append({"model": name, "prefix": prefix, "max_abs_diff": diff})
         kw = {"eos_token_ids": [], "device": str(device), "dtype": "bfloat16"}
         prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (5, 9, 14, 21, 30, 47)]
         params = SamplingParams(max_tokens=16 if quick else 64, temperature=0.0, ignore_eos=True)
@@ -502,10 +516,14 @@ def check_invariance(device: torch.device, work: Path, quick: bool) -> dict:
             base = [g.token_ids for g in plain.generate(prompts, params)]
             spec = load_engine(model_dir, drafter_dir, SpecConfig(num_spec_tokens=4), len(prompts), **kw)
             got = [g.token_ids for g in spec.generate(prompts, params)]
-            equal[str(reduced)] = f"{sum(a == b for a, b in zip(got, base, strict=True))}/{len(prompts)}"
+            same = sum(a == b for a, b in zip(got, base, strict=True))
+            equal[f"reduced precision {reduced}"] = f"{same}/{len(prompts)}"
+            alone = [plain.generate([p], params)[0].token_ids for p in prompts]  # target-only, each prompt alone
+            same = sum(a == b for a, b in zip(alone, base, strict=True))
+            equal[f"reduced precision {reduced}, target-only batched = alone"] = f"{same}/{len(prompts)}"
     finally:
         matmul.allow_bf16_reduced_precision_reduction = default
-    return {"rows": rows, "eagle_chain_equal_target_only_bf16": equal}
+    return {"rows": rows, "verify_against_decode": prefixes, "eagle_chain_equal_target_only_bf16": equal}
 
 
 def check_profile(device: torch.device, quick: bool) -> dict:
@@ -667,7 +685,18 @@ def _invariance_lines(part: dict) -> list[str]:
             f"{r['relative']:.1e} |"
         )
     equal = part["eagle_chain_equal_target_only_bf16"]
-    return lines + ["", f"EAGLE chain = target-only, bf16, sequences equal, by reduced-precision setting: {equal}"]
+    lines += ["", "EAGLE chain = target-only, bf16, sequences equal, by reduced-precision setting:"]
+    lines += [f"- {how}: {got}" for how, got in equal.items()]
+    prefixes = part.get("verify_against_decode", [])
+    if prefixes:
+        lines += [
+            "",
+            "a 5-token forward (verification) against 5 one-token forwards (decoding), after prefixes of n tokens:",
+            "| target | prefix tokens | max abs diff |",
+            "|---" * 3 + "|",
+        ]
+        lines += [f"| {r['model']} | {r['prefix']} | {r['max_abs_diff']:.2e} |" for r in prefixes]
+    return lines
 
 
 def _profile_lines(part: dict) -> list[str]:

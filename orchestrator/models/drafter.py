@@ -212,7 +212,7 @@ class Drafter(nn.Module):
         previous step's `next_hidden`. Appends to the drafter's KV cache like the target does.
         """
         ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
-        with attention_kernels():
+        with attention_kernels(self.device):
             x = self.layers[0].forward_eagle(self.embed(token_ids.to(self.device)), hidden, ctx)
             for layer in self.layers[1:]:
                 x = layer(layer.input_layernorm(x), x, ctx)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +22,52 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from orchestrator.models.kv_cache import KVCache
 
-# cuDNN's fused attention, PyTorch's first choice on Hopper, builds an execution plan for each new shape: about
-# 20 ms of host time per new (span, mask) on an H200 (`make gpu-check`'s profile, 2026-12-04), and decode and
-# verification change the shape every step. Flash, memory-efficient and math attention take any shape at no cost.
-_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Attention kernels. On CUDA every forward, decoding one token or verifying a tree, runs the memory-efficient
+# kernel with an additive bias (zeros where nothing is masked), so a token's attention sums in the same order in a
+# decode step as in a verify step, and a short sequence batched beside a long one as alone (its masked keys add
+# exact zeros): the conditions for greedy speculation to equal target-only decoding in bfloat16 (`make gpu-check`,
+# H200, 2026-12-04: 6/6 sequences of 384 tokens, chain and tree; before, with flash for decoding, 2/6).
+# Flash attention (mask-free calls only) would put decoding on another kernel; cuDNN's fused attention builds an
+# execution plan for each new shape, about 20 ms of host time per new (span, mask) on an H200 (`make gpu-check`'s
+# profile, 2026-12-04), and decoding changes the shape every step. Grouped-query heads are folded into the query
+# rows (`_attend`), so masked attention reads each key/value head once instead of copying it per query head.
+# On the CPU, PyTorch's flash kernel takes masks and any shape.
+_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_CPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-def attention_kernels() -> AbstractContextManager:
-    """The attention kernels a forward of the serving path may use (around the whole layer stack, once)."""
-    return sdpa_kernel(_ATTENTION_BACKENDS)
+def attention_kernels(device: torch.device) -> AbstractContextManager:
+    """The attention kernels a forward on `device` may use (around the whole layer stack, once)."""
+    return sdpa_kernel(_CUDA_BACKENDS if device.type == "cuda" else _CPU_BACKENDS)
+
+
+def _attend(
+    q_bhtd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Scaled dot-product attention -> [B, heads, T, hd]. q: [B, heads, T, hd]; keys, values: [B, kv_heads, S, hd];
+    mask: [B, 1, T, S] bool or None (the CPU's way); or, on CUDA, `bias` from `gqa_bias`: the query heads that
+    share a key/value head become `groups x T` query rows of that head, [B, kv_heads, groups * T, hd] (query head
+    h uses key/value head h // groups, as with `enable_gqa`)."""
+    if bias is None:
+        return F.scaled_dot_product_attention(q_bhtd, keys, values, attn_mask=mask, enable_gqa=True)
+    b, heads, t, hd = q_bhtd.shape
+    kv_heads = keys.shape[1]
+    out = F.scaled_dot_product_attention(q_bhtd.reshape(b, kv_heads, heads // kv_heads * t, hd), keys, values, bias)
+    return out.reshape(b, heads, t, hd)  # the kernel may return a transposed layout
+
+
+def gqa_bias(
+    mask: torch.Tensor | None, b: int, groups: int, t: int, span: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The additive bias `_attend` folds grouped-query heads with: [B, 1, groups * T, S], 0 where a key is visible
+    and -inf where `mask` ([B, 1, T, S] bool or None) hides it; its rows padded to a multiple of 16 elements, the
+    alignment the memory-efficient kernel wants (else it copies)."""
+    padded = -(-span // 16) * 16
+    bias = torch.zeros((b, 1, groups * t, padded), dtype=dtype, device=device)[..., :span]
+    if mask is not None:
+        rows = mask.expand(b, 1, t, span).unsqueeze(2).expand(b, 1, groups, t, span).reshape(b, 1, groups * t, span)
+        bias.masked_fill_(~rows, float("-inf"))
+    return bias
 
 
 @dataclass(frozen=True)
@@ -149,6 +186,7 @@ class AttentionContext:
     span: int  # keys to attend over: max over the batch of (cached + new) tokens
     max_new: int  # T: the longest new block
     batch: int  # B
+    biases: dict = field(default_factory=dict, repr=False)  # CUDA: `gqa_bias` per forward, built by the first layer
 
     @classmethod
     def build(
@@ -192,6 +230,14 @@ class AttentionContext:
             mask = _attention_mask(cached, num_tokens, block_mask, mask_start, max_new, span)
         read = slice(first, first + batch) if contiguous else slots
         return cls(cache, read, slots[tok_b], tok_b, tok_t, write_pos, cos, sin, mask, span, max_new, batch)
+
+    def bias(self, q_bhtd: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """`gqa_bias` of this batch for queries shaped like `q_bhtd` (every layer's are), built once per forward."""
+        b, heads, t, _ = q_bhtd.shape
+        groups = heads // kv_heads
+        if groups not in self.biases:
+            self.biases[groups] = gqa_bias(self.mask, b, groups, t, self.span, q_bhtd.dtype, q_bhtd.device)
+        return self.biases[groups]
 
     def pad(self, x_nd: torch.Tensor) -> torch.Tensor:
         """Packed rows [N, ...] -> padded [B, T, ...] (zeros in the padding)."""
@@ -273,7 +319,8 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         keys, values = ctx.cache.append(self.layer_idx, ctx.write_slot, ctx.write_pos, ctx.read_slots, k, v, ctx.span)
         q_bhtd = ctx.pad(q).transpose(1, 2)  # [B, heads, T, hd]
-        out = F.scaled_dot_product_attention(q_bhtd, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        bias = ctx.bias(q_bhtd, self.num_kv_heads) if q.is_cuda else None
+        out = _attend(q_bhtd, keys, values, ctx.mask, bias)
         out = ctx.unpad(out.transpose(1, 2))  # [N, heads, hd]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

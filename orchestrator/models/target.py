@@ -276,7 +276,7 @@ class TargetModel(nn.Module):
         ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
         x = self.embed_tokens(token_ids.to(self.device))  # [N, hidden]
         aux = [x] if 0 in self.aux_layer_ids else []
-        with attention_kernels():
+        with attention_kernels(self.device):
             for i, layer in enumerate(self.layers):
                 x = layer(layer.input_layernorm(x), x, ctx)
                 if i + 1 in self.aux_layer_ids:

@@ -135,3 +135,73 @@ def test_aux_layer_ids_outside_the_model_are_rejected(tiny_dir):
 def test_missing_model_dir_is_a_clear_error(tmp_path):
     with pytest.raises(AerieError, match="does not exist"):
         TargetModel.from_pretrained(tmp_path / "nope")
+
+
+def _tree_mask(parents: list[int], width: int) -> torch.Tensor:
+    """[width, width] bool: node t sees itself and its ancestors (padding rows and columns False)."""
+    mask = torch.zeros(width, width, dtype=torch.bool)
+    for t in range(len(parents)):
+        node = t
+        while node >= 0:
+            mask[t, node] = True
+            node = parents[node]
+    return mask
+
+
+def _depths(parents: list[int]) -> torch.Tensor:
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return torch.tensor(depth)
+
+
+def test_ragged_batch_on_scattered_slots_equals_each_sequence_alone(tiny_dir):
+    """A sequence's logits in a ragged batch on scattered slots (prefill, a one-token decode, then a draft tree's
+    verification) are those of the sequence alone: its masks and its share of the padded attention are right."""
+    model = TargetModel.from_pretrained(tiny_dir, packed=False)
+    prompts = _ragged(model.vocab_size, [3, 17, 9], seed=3)
+    trees = [[-1, 0, 0, 1], [-1, 0], [-1, 0, 1, 1, 2]]
+    nexts = _ragged(model.vocab_size, [1, 1, 1], seed=4)
+    drafts = _ragged(model.vocab_size, [len(t) for t in trees], seed=5)
+
+    def run(which: list[int]) -> list[list[torch.Tensor]]:
+        cache = model.new_cache(4, 64)
+        slots = torch.tensor([3, 0, 2])[which]
+        per_seq = [[] for _ in which]
+
+        def forward(tokens, **kw):
+            num = torch.tensor([len(t) for t in tokens])
+            out = model(torch.cat(tokens), cache, slots, num, **kw).logits
+            for i, rows in enumerate(out.split(num.tolist())):
+                per_seq[i].append(rows)
+
+        forward([prompts[i] for i in which])
+        forward([nexts[i] for i in which])
+        width = max(len(trees[i]) for i in which)
+        block = torch.stack([_tree_mask(trees[i], width) for i in which])
+        positions = torch.cat([len(prompts[i]) + 1 + _depths(trees[i]) for i in which])
+        forward([drafts[i] for i in which], positions=positions, block_mask=block)
+        return per_seq
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        for alone, got in zip(run([i])[0], together[i], strict=True):
+            torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_folded_grouped_query_attention_equals_enable_gqa(masked):
+    """CUDA's attention (query heads folded into rows over their shared key/value head, the mask an additive bias)
+    computes what `enable_gqa` with a bool mask does: here on the CPU's math kernel, in float32."""
+    from orchestrator.models.layers import _attend, gqa_bias
+
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, t, span, hd = 3, 8, 2, 5, 21, 16
+    q = torch.randn(b, t, heads, hd, generator=gen).transpose(1, 2)  # strided as the model's padded queries
+    keys, values = (torch.randn(b, kv_heads, span, hd, generator=gen) for _ in range(2))
+    mask = torch.rand(b, 1, t, span, generator=gen) < 0.7 if masked else None
+    if mask is not None:
+        mask[..., 0] = True  # every query sees a key
+    bias = gqa_bias(mask, b, heads // kv_heads, t, span, q.dtype, q.device)
+    assert bias.shape == (b, 1, heads // kv_heads * t, span) and bias.stride(-2) % 16 == 0
+    torch.testing.assert_close(_attend(q, keys, values, mask, bias), _attend(q, keys, values, mask, None))
