@@ -177,8 +177,12 @@ def _convert_drafter(args: argparse.Namespace) -> int:
     provenance = {"converted_from": str(src), "dtype": args.dtype}
     if (src / "result.json").is_file():  # the training job's result: run, steps, tokens, metrics
         provenance["training"] = json.loads((src / "result.json").read_text())
-    if args.train_config:
+    ran = src / "train_config.json"  # what the training job ran with, its overrides applied
+    if ran.is_file():
+        provenance["train_config"] = json.loads(ran.read_text())
+    elif args.train_config:
         provenance["train_config"] = OmegaConf.to_container(OmegaConf.load(args.train_config))
+    if args.train_config:
         provenance["train_config_file"] = args.train_config
     if args.data:  # a finished collection, or the collect config an online training read (its plan: same sha256)
         planned = planned_collection(args.data) if is_collect_config(args.data) else None
@@ -412,7 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="drafter directory (vLLM format)")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--train-config", default=None, help="the training config that produced it (recorded)")
+    p.add_argument(
+        "--train-config",
+        default=None,
+        help="the training config file it started from (recorded; the config it ran with, overrides applied, "
+        "comes from train_config.json beside the export)",
+    )
     p.add_argument(
         "--data",
         default=None,

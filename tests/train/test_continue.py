@@ -85,3 +85,27 @@ def test_the_tau_table_comes_from_the_evaluation(tmp_path):
     assert table["table"] == {"chain-5": {"all": 2.1, "mtbench": 2.0}, "vllm:chain-5": {"mtbench": 1.98}}
     with pytest.raises(AerieError, match="no drafter named 'eagle3'"):
         tau_table(str(path), "eagle3")
+
+
+def test_a_converted_drafter_records_the_config_its_training_ran_with(tiny_dir, tmp_path):
+    """`make drafters` trains EAGLE-3 from the EAGLE-3.1 file with overrides: provenance.json records the config
+    the job ran with (train_config.json beside the export), and the file it started from."""
+    import torch
+
+    from orchestrator.cli import main
+    from orchestrator.models.checkpoint import save_drafter
+    from orchestrator.models.init import init_drafter
+    from orchestrator.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(tiny_dir)
+    src = save_drafter(init_drafter(target, "eagle3", torch.arange(64)), tmp_path / "exported")
+    file = tmp_path / "train.yaml"
+    file.write_text("name: broad\ndrafter: {variant: eagle3.1}\n")
+    out = tmp_path / "committed"
+    assert main(["convert-drafter", str(src), "--out", str(out), "--train-config", str(file)]) == 0
+    assert json.loads((out / "provenance.json").read_text())["train_config"]["drafter"]["variant"] == "eagle3.1"
+    ran = {"name": "broad-eagle3", "drafter": {"variant": "eagle3"}, "max_steps": 577}
+    (src / "train_config.json").write_text(json.dumps(ran))
+    assert main(["convert-drafter", str(src), "--out", str(out), "--train-config", str(file)]) == 0
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["train_config"] == ran and provenance["train_config_file"] == str(file)
