@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.jobrunner import run_job, write_result
-from orchestrator.redaction import redact
+from orchestrator.redaction import redact_tree
 from orchestrator.train.config import TrainConfig
 from orchestrator.train.run import run_training
 
@@ -25,7 +25,7 @@ def main(cfg: TrainConfig) -> int:
     result = run_training(cfg)
     out = Path("runs") / cfg.name if cfg.output.startswith("s3://") else Path(cfg.output)
     write_result(out, result)
-    (out / "train_config.json").write_text(json.dumps(redact(cfg.model_dump(mode="json")), indent=2) + "\n")
+    (out / "train_config.json").write_text(json.dumps(redact_tree(cfg.model_dump(mode="json")), indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 

@@ -76,6 +76,11 @@ def _scrub(value: Any, secret: bool = False) -> Any:
     return value
 
 
+def redact_tree(value: Any) -> Any:
+    """The same nested structure with every secret replaced by `***` (a config kept as JSON beside an artifact)."""
+    return _scrub(value)
+
+
 def redact(params: dict, prefix: str = "") -> dict[str, str]:
     """Flatten a nested config to dotted keys (lists stay one value) with every secret replaced by `***`, so
     nothing secret reaches MLflow params or logged configs."""
