@@ -186,7 +186,7 @@ class AttentionContext:
     span: int  # keys to attend over: max over the batch of (cached + new) tokens
     max_new: int  # T: the longest new block
     batch: int  # B
-    biases: dict = field(default_factory=dict, repr=False)  # CUDA: `gqa_bias` per forward, built by the first layer
+    _bias: torch.Tensor | None = field(default=None, repr=False)  # CUDA: `gqa_bias`, built by the first layer
 
     @classmethod
     def build(
@@ -233,11 +233,10 @@ class AttentionContext:
 
     def bias(self, q_bhtd: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """`gqa_bias` of this batch for queries shaped like `q_bhtd` (every layer's are), built once per forward."""
-        b, heads, t, _ = q_bhtd.shape
-        groups = heads // kv_heads
-        if groups not in self.biases:
-            self.biases[groups] = gqa_bias(self.mask, b, groups, t, self.span, q_bhtd.dtype, q_bhtd.device)
-        return self.biases[groups]
+        if self._bias is None:
+            b, heads, t, _ = q_bhtd.shape
+            self._bias = gqa_bias(self.mask, b, heads // kv_heads, t, self.span, q_bhtd.dtype, q_bhtd.device)
+        return self._bias
 
     def pad(self, x_nd: torch.Tensor) -> torch.Tensor:
         """Packed rows [N, ...] -> padded [B, T, ...] (zeros in the padding)."""

@@ -205,3 +205,17 @@ def test_folded_grouped_query_attention_equals_enable_gqa(masked):
     bias = gqa_bias(mask, b, heads // kv_heads, t, span, q.dtype, q.device)
     assert bias.shape == (b, 1, heads // kv_heads * t, span) and bias.stride(-2) % 16 == 0
     torch.testing.assert_close(_attend(q, keys, values, mask, bias), _attend(q, keys, values, mask, None))
+
+
+def test_a_forward_builds_its_attention_bias_once(tiny_dir):
+    """On CUDA every layer asks the forward's context for the bias: built by the first, the same tensor after."""
+    from orchestrator.models.layers import AttentionContext
+
+    model = TargetModel.from_pretrained(tiny_dir, packed=False)
+    cache = model.new_cache(2, 64)
+    ctx = AttentionContext.build(cache, torch.tensor([0, 1]), torch.tensor([3, 5]), None, None, model.inv_freq)
+    heads, kv_heads = model.cfg.num_attention_heads, model.cfg.num_key_value_heads
+    q = torch.zeros(2, heads, 5, model.cfg.head_dim)
+    bias = ctx.bias(q, kv_heads)
+    assert bias.shape == (2, 1, heads // kv_heads * 5, 5) and ctx.bias(q, kv_heads) is bias
+    assert bool(torch.isinf(bias[0, 0, 0, 1])) and bias[1, 0, 4, 4] == 0  # causal: row 0 hides key 1
