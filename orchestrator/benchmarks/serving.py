@@ -379,9 +379,14 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
     for name, overrides in cfg.arms.items():
         backends.append((f"{name}-", read_serve_config(cfg.app, [*cfg.app_overrides, *overrides])[1]))
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
-    if (written := keys_for_servers(private_ray=starts_private_ray(cfg.address))) is not None:
+    private = starts_private_ray(cfg.address)
+    if (written := keys_for_servers(private_ray=private)) is not None:
         log.info("wrote a new API key to %s (the benchmark's servers and clients use it)", written)
     init_ray(cfg.address)
+    if private:  # nothing joins a private Ray: what does not fit now never will, and Serve would wait for it
+        import ray
+
+        check_fits(reservations([(b, m) for _, b in backends for m in cfg.modes]), ray.cluster_resources())
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
     deployed = [_Deployed(cfg, backend, mode, label, prompts) for label, backend in backends for mode in cfg.modes]
     result: dict = {"modes": {d.key: {} for d in deployed}, "files": [], "repeats": cfg.repeats}
@@ -439,6 +444,35 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         if spec_c1:
             result["overhead_c1"] = overhead_breakdown(spec_c1, result["in_process_c1"])
     return result
+
+
+def reservations(deployments: list[tuple[dict, str]]) -> dict[str, float]:
+    """What the disaggregated deployments' workers reserve together: (application entry, mode) each, all at once
+    (the draft worker only where speculation is on). vLLM deployments are sized by vLLM and left out."""
+    from orchestrator.serving.app import SpecServeConfig
+
+    total: dict[str, float] = {}
+    for app, mode in deployments:
+        if backend_of(app["import_path"]) != "disaggregated":
+            continue
+        args = SpecServeConfig.model_validate(app["args"])
+        for worker in [args.target] + ([args.draft] if mode == "spec" else []):
+            for resource, amount in worker.bundle().items():
+                total[resource] = total.get(resource, 0.0) + amount
+    return total
+
+
+def check_fits(needed: dict[str, float], cluster: dict[str, float]) -> None:
+    """Every deployment of the run is up at once: an AerieError naming what does not fit, instead of Serve waiting
+    forever for workers the cluster cannot place."""
+    short = {r: (n, cluster.get(r, 0.0)) for r, n in needed.items() if n > cluster.get(r, 0.0) + 1e-9}
+    if short:
+        what = ", ".join(f"{n:g} {r} (the cluster has {have:g})" for r, (n, have) in short.items())
+        raise AerieError(
+            f"the benchmark's deployments run at once and their workers reserve {what}: lower the workers' "
+            f"reservations in app_overrides (e.g. target.num_cpus=0.25, draft.num_cpus=0.25) or deploy fewer arms "
+            f"or modes"
+        )
 
 
 class _Deployed:

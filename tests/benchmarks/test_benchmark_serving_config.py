@@ -56,3 +56,20 @@ def test_a_stream_counts_only_when_it_ends_with_done(events, error):
 
     out = asyncio.run(one())
     assert out.get("error") == error
+
+
+def test_deployments_that_cannot_all_be_placed_are_refused_naming_the_shortfall(tiny_chat):
+    """Every (arm, mode) deployment is up at once; on a private Ray nothing joins, so what does not fit now would
+    leave Serve waiting forever (seen: a twin arm on 2 CPUs hung at its third deployment)."""
+    from orchestrator.benchmarks.serving import check_fits, reservations
+
+    app = {"import_path": "orchestrator.serving.app:build_app", "args": app_args(tiny_chat)}
+    app["args"] |= {"target": {"num_cpus": 0.5}, "draft": {"num_cpus": 0.5, "resources": {"draft": 1}}}
+    vllm = {"import_path": "orchestrator.serving.vllm_app:build_app", "args": {"model": "m"}}
+    needed = reservations([(app, "spec"), (app, "no-spec"), (app, "spec"), (app, "no-spec"), (vllm, "spec")])
+    assert needed == {"CPU": 3.0, "draft": 2.0}  # no draft worker without speculation; vLLM sizes itself
+    check_fits(needed, {"CPU": 3.0, "draft": 2.0, "memory": 1e9})
+    with pytest.raises(AerieError) as err:
+        check_fits(needed, {"CPU": 2.0, "draft": 2.0})
+    assert str(err.value).startswith("the benchmark's deployments run at once and their workers reserve 3 CPU")
+    assert "(the cluster has 2)" in str(err.value) and "draft" not in str(err.value).split(":")[0]
