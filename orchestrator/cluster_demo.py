@@ -1,15 +1,17 @@
 """`make cluster-demo`: the disaggregated server across three nodes of this machine (orchestrator/netcluster.py:
 network namespaces on a bridge, needs root), and what a thin link between the target and the draft node costs.
 
-    python -m orchestrator.cluster_demo [--rates none,1000,100,20,5] [--seconds 40] [--users 4]
+    python -m orchestrator.cluster_demo [--rates none,1000,100,20,5] [--seconds 40] [--users 4] [--repeats 1]
 
 It serves SmolLM2-135M-Instruct with the committed drafter (configs/smollm2-135m/serve.yaml) with the target worker
 and the scheduler on the target node, the drafter on the draft node and the router on the head, prints which actor
 runs where, then sends steady streaming load (MT-Bench first turns) first target-only, then with speculation at
-each rate of the draft node's link (tc's token bucket, both directions). Per rate: per-user tokens/s and its ratio
-to target-only, the share of rounds that drafted (the mode chooser stops drafting where it does not pay), the
-draft call's time, and the bytes per round on the link against the scheduler's counters. Writes
-runs/cluster-demo/result.json and table.md.
+each rate of the draft node's link (tc's token bucket, both directions). `--repeats` runs the whole sequence again,
+in reverse order every other time (target-only and speculation, the rates too), so the machine's drift falls on
+both sides. Per rate: per-user tokens/s and its ratio to target-only (each repeat paired with the target-only run
+of the same repeat; a bootstrap interval over those pairs), the share of rounds that drafted (the mode chooser
+stops drafting where it does not pay), the draft call's time, and the bytes per round on the link against the
+scheduler's counters. Writes runs/cluster-demo/result.json and table.md.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import argparse
 import asyncio
 import json
 import secrets
+import statistics
 import sys
 from pathlib import Path
 
 from orchestrator.errors import AerieError
+from orchestrator.stats import format_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 PLACEMENT = [  # the GB200 manifests' node groups (clusters/gb200-raycluster.yaml)
@@ -76,58 +80,98 @@ def run(args: argparse.Namespace) -> dict:
     prompts = mtbench_first_turns()
     rates = [None if r in ("none", "") else float(r) for r in args.rates.split(",")]
     result: dict = {"rates_mbit": rates, "users": args.users, "seconds": args.seconds, "rows": []}
+    arms = [("target only", ["speculation=false"], [None]), ("speculation", [], rates)]
     with NetCluster(env) as cluster:
         cluster.add_node("target", {"target": 1})
         cluster.add_node("draft", {"draft": 1})
-        for arm, extra in (("target only", ["speculation=false"]), ("speculation", [])):
-            overrides = [f"model={model}", *PLACEMENT, *extra]
-            server = ClusterServer(cluster, args.config, overrides, out / f"serve-{arm.replace(' ', '-')}.log")
-            try:
-                server.wait_healthy(headers)
-                if arm == "speculation":
-                    result["topology"], result["actors"] = cluster.topology(), cluster.actors()
-                    print("nodes:", ", ".join(f"{n['node']} {n['ip']} {n['resources']}" for n in result["topology"]))
-                    print("actors:", ", ".join(f"{cls} on {node}" for cls, node in result["actors"]))
-                for rate in rates if arm == "speculation" else [None]:
-                    cluster.rate_limit("draft", rate)
-                    measure(cluster, server.url, headers, prompts, 5, args.users, args.max_tokens)  # warm, adapt
-                    row = measure(cluster, server.url, headers, prompts, args.seconds, args.users, args.max_tokens)
-                    row |= {"arm": arm, "rate_mbit": rate}
-                    result["rows"].append(row)
-                    print(format_row(row, result["rows"][0]), flush=True)
-            finally:
-                cluster.rate_limit("draft", None)
-                server.stop()
+        for repeat in range(args.repeats):
+            for arm, extra, arm_rates in arms if repeat % 2 == 0 else arms[::-1]:
+                overrides = [f"model={model}", *PLACEMENT, *extra]
+                log = out / f"serve-{arm.replace(' ', '-')}-{repeat}.log"
+                server = ClusterServer(cluster, args.config, overrides, log)
+                try:
+                    server.wait_healthy(headers)
+                    if arm == "speculation" and "topology" not in result:
+                        result["topology"], result["actors"] = cluster.topology(), cluster.actors()
+                        nodes = (f"{n['node']} {n['ip']} {n['resources']}" for n in result["topology"])
+                        print("nodes:", ", ".join(nodes))
+                        print("actors:", ", ".join(f"{cls} on {node}" for cls, node in result["actors"]))
+                    for rate in arm_rates if repeat % 2 == 0 else arm_rates[::-1]:
+                        cluster.rate_limit("draft", rate)
+                        measure(cluster, server.url, headers, prompts, 5, args.users, args.max_tokens)  # warm, adapt
+                        row = measure(cluster, server.url, headers, prompts, args.seconds, args.users, args.max_tokens)
+                        row |= {"arm": arm, "rate_mbit": rate, "repeat": repeat}
+                        result["rows"].append(row)
+                        print(f"[{repeat + 1}/{args.repeats}] {format_row(row)}", flush=True)
+                finally:
+                    cluster.rate_limit("draft", None)
+                    server.stop()
+    result["summary"] = summarize(result["rows"])
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "table.md").write_text(table(result["rows"]))
+    (out / "table.md").write_text(table(result["summary"]))
+    print(table(result["summary"]), end="")
     print(f"wrote {out / 'table.md'} and result.json")
     return result
 
 
-def format_row(row: dict, base: dict) -> str:
-    ratio = row["load"]["per_user_tok_s"] / max(1e-9, base["load"]["per_user_tok_s"])
+def format_row(row: dict) -> str:
     rate = "unlimited" if row["rate_mbit"] is None else f"{row['rate_mbit']:g} Mbit/s"
     return (
-        f"{row['arm']:<12} {rate:>14}: {row['load']['per_user_tok_s']:6.2f} tok/s per user ({ratio:.2f}x), "
+        f"{row['arm']:<12} {rate:>14}: {row['load']['per_user_tok_s']:6.2f} tok/s per user, "
         f"{row['load']['failed']} failed, drafted {100 * row['spec_round_share']:3.0f}% of rounds, "
         f"{row['ms_per_round']:5.1f} ms/round, link {row['link_bytes_per_round'] / 1e3:6.1f} kB/round "
         f"(counted {row['counted_bytes_per_round'] / 1e3:.1f})"
     )
 
 
-def table(rows: list[dict]) -> str:
-    base = rows[0]["load"]["per_user_tok_s"]
+def summarize(rows: list[dict]) -> list[dict]:
+    """One line per (arm, rate) over the repeats: means, and per-user tokens/s over target-only's as a ratio of
+    means with a bootstrap interval over the repeats, each paired with the target-only run of the same repeat."""
+    from orchestrator.stats import paired_ratio
+
+    base = {r["repeat"]: r["load"]["per_user_tok_s"] for r in rows if r["arm"] == "target only"}
+    keys = list(dict.fromkeys((r["arm"], r["rate_mbit"]) for r in rows))
+    out = []
+    for arm, rate in keys:
+        runs = sorted((r for r in rows if (r["arm"], r["rate_mbit"]) == (arm, rate)), key=lambda r: r["repeat"])
+        paired = [r for r in runs if r["repeat"] in base]
+        call = [r["draft_call_ms"] for r in runs if r["draft_call_ms"] is not None]
+        out.append(
+            {
+                "arm": arm,
+                "rate_mbit": rate,
+                "repeats": len(runs),
+                "per_user_tok_s": statistics.mean(r["load"]["per_user_tok_s"] for r in runs),
+                "vs_target_only": paired_ratio(
+                    [r["load"]["per_user_tok_s"] for r in paired], [base[r["repeat"]] for r in paired]
+                )
+                if paired
+                else None,
+                "failed": sum(r["load"]["failed"] for r in runs),
+                "requests": sum(r["load"]["requests"] for r in runs),
+                "spec_round_share": statistics.mean(r["spec_round_share"] for r in runs),
+                "ms_per_round": statistics.mean(r["ms_per_round"] for r in runs),
+                "draft_call_ms": statistics.mean(call) if call else None,
+                "link_bytes_per_round": statistics.mean(r["link_bytes_per_round"] for r in runs),
+                "counted_bytes_per_round": statistics.mean(r["counted_bytes_per_round"] for r in runs),
+            }
+        )
+    return out
+
+
+def table(summary: list[dict]) -> str:
     lines = [
-        "| arm | draft link | per-user tok/s | vs target-only | failed | rounds drafted | ms/round | draft call ms "
-        "| link kB/round | counted kB/round |",
+        "| arm | draft link | per-user tok/s | vs target-only [95%] | failed / requests | rounds drafted | ms/round "
+        "| draft call ms | link kB/round | counted kB/round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in summary:
         rate = "unlimited" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s"
         call = "" if r["draft_call_ms"] is None else f"{r['draft_call_ms']:.1f}"
+        ratio = "" if r["vs_target_only"] is None else format_ratio(r["vs_target_only"])
         lines.append(
-            f"| {r['arm']} | {rate} | {r['load']['per_user_tok_s']:.2f} | {r['load']['per_user_tok_s'] / base:.2f}x "
-            f"| {r['load']['failed']} | {100 * r['spec_round_share']:.0f}% | {r['ms_per_round']:.1f} | {call} "
+            f"| {r['arm']} | {rate} | {r['per_user_tok_s']:.2f} | {ratio} | {r['failed']} / {r['requests']} "
+            f"| {100 * r['spec_round_share']:.0f}% | {r['ms_per_round']:.1f} | {call} "
             f"| {r['link_bytes_per_round'] / 1e3:.1f} | {r['counted_bytes_per_round'] / 1e3:.1f} |"
         )
     return "\n".join(lines) + "\n"
@@ -140,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=40, help="load per rate")
     p.add_argument("--users", type=int, default=4, help="streaming clients at once")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="the whole sequence again, every other time reversed")
     p.add_argument("--out", default="runs/cluster-demo")
     args = p.parse_args(argv)
     try:
