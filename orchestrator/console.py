@@ -73,8 +73,23 @@ def say(text: str) -> None:
 
 
 def bar(**kwargs) -> tqdm:
-    """A tqdm bar on the terminal (tqdm's arguments)."""
-    return tqdm(**{"file": stderr(), "dynamic_ncols": True, **kwargs})
+    """A tqdm bar on the terminal (tqdm's arguments): as wide as the terminal, or `FALLBACK_SIZE` where the
+    terminal says it has no size (a pseudo-terminal nobody sized, as `script` or `docker run -t` without a
+    screen make: tqdm then draws an empty line)."""
+    stream = stderr()
+    size = {"dynamic_ncols": True} if _columns(stream) != 0 else {"ncols": FALLBACK_SIZE[0], "nrows": FALLBACK_SIZE[1]}
+    return tqdm(**{"file": stream, **size, **kwargs})
+
+
+FALLBACK_SIZE = (100, 40)  # columns, rows (tqdm hides a bar below the screen's last row: 0 rows hide them all)
+
+
+def _columns(stream: TextIO) -> int | None:
+    """The width of the terminal `stream` writes to; None where it is not a terminal."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _write(stream: TextIO, text: str) -> None:

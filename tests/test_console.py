@@ -93,3 +93,45 @@ def test_outside_a_stage_log_the_console_is_stdout_and_stderr(capsys):
         b.update()
     out, err = capsys.readouterr()
     assert out == "a line\n" and "work: 100%" in err
+
+
+@pytest.mark.parametrize("in_stage", [True, False])
+def test_bars_draw_on_a_terminal_that_says_it_has_no_size(tmp_path, in_stage):
+    """A pseudo-terminal nobody sized (`script`, `docker run -t` without a screen) reports 0 x 0: tqdm sized to it
+    drew empty lines (a fresh clone's `make pipeline` under `script` showed no bar at all)."""
+    import pty
+
+    job = (
+        "import sys\nfrom pathlib import Path\nfrom orchestrator.console import bar, stage_log\n"
+        "import contextlib\n"
+        f"ctx = stage_log(Path(sys.argv[1])) if {in_stage} else contextlib.nullcontext()\n"
+        "with ctx, bar(total=3, desc='answers', unit='answer') as b:\n    b.update(3)\n"
+    )
+    main, terminal = pty.openpty()  # a new pseudo-terminal is 0 x 0 until someone sets its size
+    assert os.get_terminal_size(terminal).columns == 0
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", job, str(tmp_path / "stage.log")],
+            stdout=subprocess.DEVNULL,
+            stderr=terminal,
+            timeout=120,
+            cwd=REPO,
+            check=True,
+        )
+        assert proc.returncode == 0
+        os.close(terminal)
+        terminal = -1
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # the other end is closed: everything is read
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(main)
+        if terminal >= 0:
+            os.close(terminal)
+    assert b"answers: 100%" in shown and b"3/3" in shown
