@@ -169,6 +169,7 @@ def table(summary: list[dict]) -> str:
         rate = "unlimited" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s"
         call = "" if r["draft_call_ms"] is None else f"{r['draft_call_ms']:.1f}"
         ratio = "" if r["vs_target_only"] is None else format_ratio(r["vs_target_only"])
+        ratio = "baseline" if r["arm"] == "target only" else ratio
         lines.append(
             f"| {r['arm']} | {rate} | {r['per_user_tok_s']:.2f} | {ratio} | {r['failed']} / {r['requests']} "
             f"| {100 * r['spec_round_share']:.0f}% | {r['ms_per_round']:.1f} | {call} "

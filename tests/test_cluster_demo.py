@@ -45,6 +45,7 @@ def test_each_rate_is_paired_with_the_target_only_run_of_its_own_repeat():
     assert summary[2]["vs_target_only"]["ratio"] == pytest.approx(1.0) and summary[2]["draft_call_ms"] is None
     assert summary[0]["failed"] == 0 and summary[0]["requests"] == 20
     lines = table(summary).splitlines()
+    assert lines[2].startswith("| target only | unlimited | 7.50 | baseline | 0 / 20 | 0% |")
     assert lines[3].startswith("| speculation | unlimited | 11.25 | 1.50x [1.50, 1.50] | 0 / 20 | 80% |")
     assert lines[4].startswith("| speculation | 5 Mbit/s | 7.50 | 1.00x [1.00, 1.00] |")
 
