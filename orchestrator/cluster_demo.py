@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.errors import AerieError
-from orchestrator.stats import format_ratio
+from orchestrator.stats import format_ratio, paired_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 PLACEMENT = [  # the GB200 manifests' node groups (clusters/gb200-raycluster.yaml)
@@ -127,8 +127,6 @@ def format_row(row: dict) -> str:
 def summarize(rows: list[dict]) -> list[dict]:
     """One line per (arm, rate) over the repeats: means, and per-user tokens/s over target-only's as a ratio of
     means with a bootstrap interval over the repeats, each paired with the target-only run of the same repeat."""
-    from orchestrator.stats import paired_ratio
-
     base = {r["repeat"]: r["load"]["per_user_tok_s"] for r in rows if r["arm"] == "target only"}
     keys = list(dict.fromkeys((r["arm"], r["rate_mbit"]) for r in rows))
     out = []
@@ -168,14 +166,23 @@ def table(summary: list[dict]) -> str:
     for r in summary:
         rate = "unlimited" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s"
         call = "" if r["draft_call_ms"] is None else f"{r['draft_call_ms']:.1f}"
-        ratio = "" if r["vs_target_only"] is None else format_ratio(r["vs_target_only"])
-        ratio = "baseline" if r["arm"] == "target only" else ratio
+        if r["arm"] == "target only":
+            ratio = "baseline"
+        else:
+            ratio = "" if r["vs_target_only"] is None else format_ratio(r["vs_target_only"])
         lines.append(
             f"| {r['arm']} | {rate} | {r['per_user_tok_s']:.2f} | {ratio} | {r['failed']} / {r['requests']} "
             f"| {100 * r['spec_round_share']:.0f}% | {r['ms_per_round']:.1f} | {call} "
             f"| {r['link_bytes_per_round'] / 1e3:.1f} | {r['counted_bytes_per_round'] / 1e3:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=40, help="load per rate")
     p.add_argument("--users", type=int, default=4, help="streaming clients at once")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1, help="the whole sequence again, every other time reversed")
+    p.add_argument("--repeats", type=_positive, default=1, help="the whole sequence again, every other time reversed")
     p.add_argument("--out", default="runs/cluster-demo")
     args = p.parse_args(argv)
     try:
