@@ -4,8 +4,8 @@ latency and the ratios; plus the scheduler's budget use, the per-round cost of t
 (at concurrency 1) the in-process engine on the same prompts for comparison.
 
 Each request streams MT-Bench first turns with `ignore_eos`, so every request yields exactly `max_tokens`
-tokens. Per-user output tokens/s = tokens / (last chunk - request sent); TPOT = (e2e - TTFT) / (tokens - 1);
-ITL = gaps between streamed chunks.
+tokens (or its own length in `max_tokens_range`). Per-user output tokens/s = tokens / (last chunk - request
+sent); TPOT = (e2e - TTFT) / (tokens - 1); ITL = gaps between streamed chunks.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveInt, field_validator
 from tqdm import tqdm
 
 from orchestrator.config import StrictModel
@@ -61,9 +62,23 @@ class BenchmarkServingConfig(StrictModel):
         1, ge=0, description="unmeasured requests per user before each level (the scheduler learns its rates)"
     )
     max_tokens: int = Field(64, ge=1, description="tokens per request (EOS ignored)")
+    max_tokens_range: tuple[PositiveInt, PositiveInt] | None = Field(
+        None,
+        description="[lo, hi]: request i asks for its own length in that range (`answer_lengths`; the same in every "
+        "mode and repeat), so answers end at different times as real traffic's do. None: all `max_tokens`: the users "
+        "stay in lockstep, and whichever mode desynchronizes them prefills in smaller batches",
+    )
     prompts: str = Field(
         "mtbench", description="'mtbench' (first turns, chat) or 'validation:DIR' (a collection's held-out split)"
     )
+
+    @field_validator("max_tokens_range")
+    @classmethod
+    def _range(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and v[0] > v[1]:
+            raise ValueError(f"max_tokens_range {list(v)}: give [lo, hi] with lo <= hi")
+        return v
+
     num_prompts: int = Field(16, ge=1, description="prompts cycled over")
     in_process: bool = Field(True, description="also time the in-process SpecEngine at concurrency 1")
     trace_concurrency: int | None = Field(4, description="write the round timeline of this level (spec mode)")
@@ -128,11 +143,29 @@ async def stream_request(client, url: str, model: str, prompt: dict, max_tokens:
     }
 
 
+def answer_lengths(cfg: BenchmarkServingConfig, n: int) -> list[int]:
+    """max_tokens of requests 0..n-1: `max_tokens`, or spread over `max_tokens_range` (a stride coprime with the
+    range's width visits every length before repeating one)."""
+    if cfg.max_tokens_range is None:
+        return [cfg.max_tokens] * n
+    lo, hi = cfg.max_tokens_range
+    width = hi - lo + 1
+    stride = next(s for s in range(37, 37 + width + 1) if math.gcd(s, width) == 1)
+    return [lo + (i * stride) % width for i in range(n)]
+
+
 async def run_requests(
-    url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int, progress: tqdm | None = None
+    url: str,
+    model: str,
+    prompts: list[dict],
+    concurrency: int,
+    n: int,
+    max_tokens: int | list[int],
+    progress: tqdm | None = None,
 ) -> tuple[list[dict], float]:
     """`n` requests, `concurrency` at a time (closed loop): each request's measurements (in request order; request
-    i sends prompts[i % len]) and the wall time; `progress` (a bar) advances by one as each request ends."""
+    i sends prompts[i % len] for max_tokens[i % len], or `max_tokens` if one number) and the wall time; `progress`
+    (a bar) advances by one as each request ends."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -142,7 +175,8 @@ async def run_requests(
 
         async def user(i):
             async with sem:
-                measured = await stream_request(client, url, model, prompts[i % len(prompts)], max_tokens)
+                length = max_tokens[i % len(max_tokens)] if isinstance(max_tokens, list) else max_tokens
+                measured = await stream_request(client, url, model, prompts[i % len(prompts)], length)
             if progress is not None:
                 progress.update()
             return measured
@@ -180,7 +214,9 @@ def summarise_requests(runs: list[tuple[list[dict], float]], concurrency: int) -
     }
 
 
-async def drive(url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int) -> dict:
+async def drive(
+    url: str, model: str, prompts: list[dict], concurrency: int, n: int, max_tokens: int | list[int]
+) -> dict:
     """`n` requests, `concurrency` at a time (closed loop); summary of the measurements."""
     return summarise_requests([await run_requests(url, model, prompts, concurrency, n, max_tokens)], concurrency)
 
@@ -397,7 +433,8 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
             n = max(cfg.min_requests, c * cfg.requests_per_user)
             for d in deployed:
                 if cfg.warmup_per_user:
-                    asyncio.run(drive(d.url, d.model, prompts[::-1], c, c * cfg.warmup_per_user, cfg.max_tokens))
+                    warm = c * cfg.warmup_per_user
+                    asyncio.run(drive(d.url, d.model, prompts[::-1], c, warm, answer_lengths(cfg, warm)[::-1]))
             before = {d.key: d.counters() for d in deployed}
             began = time.time()
             runs: dict[str, list] = {d.key: [] for d in deployed}
@@ -405,7 +442,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
                 for d in deployed if r % 2 == 0 else deployed[::-1]:
                     requests.set_postfix_str(f"{d.key} c={c}")
                     runs[d.key].append(
-                        asyncio.run(run_requests(d.url, d.model, prompts, c, n, cfg.max_tokens, requests))
+                        asyncio.run(run_requests(d.url, d.model, prompts, c, n, answer_lengths(cfg, n), requests))
                     )
             for d in deployed:
                 level = summarise_requests(runs[d.key], c)

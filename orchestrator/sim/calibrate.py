@@ -85,6 +85,14 @@ def measured_profile(levels: dict[tuple[str, int], dict]) -> AcceptanceProfile:
     return AcceptanceProfile.from_rates(rates or [0.0], sibling=0.0)
 
 
+def _lengths(bench: dict) -> dict:
+    """The benchmark's answer lengths as a workload's: all `max_tokens`, or drawn from `max_tokens_range`."""
+    spread = bench.get("max_tokens_range")
+    if not spread:
+        return {"max_tokens": bench["max_tokens"]}
+    return {"max_tokens": spread[1], "answer_tokens": list(range(spread[0], spread[1] + 1))}
+
+
 def predict(levels: dict, bench: dict, app_args: dict, costs: CostModel, profile: AcceptanceProfile) -> list[dict]:
     """Each level of the benchmark simulated as it ran, beside its measurement."""
     rows = []
@@ -101,7 +109,7 @@ def predict(levels: dict, bench: dict, app_args: dict, costs: CostModel, profile
                 "users": users,
                 "requests": measured["requests"],
                 "prompt_tokens": prompts,
-                "max_tokens": bench["max_tokens"],
+                **_lengths(bench),
                 "warmup": users * bench.get("warmup_per_user", 0),
             },
         )

@@ -73,3 +73,32 @@ def test_deployments_that_cannot_all_be_placed_are_refused_naming_the_shortfall(
         check_fits(needed, {"CPU": 2.0, "draft": 2.0})
     assert str(err.value).startswith("the benchmark's deployments run at once and their workers reserve 3 CPU")
     assert "(the cluster has 2)" in str(err.value) and "draft" not in str(err.value).split(":")[0]
+
+
+def test_answer_lengths_spread_over_the_range_and_pair_across_modes(monkeypatch):
+    """`max_tokens_range`: request i asks for its own length, every length of the range before one repeats, the
+    same list on every call (so request i of one mode is paired with a request of the same length in the other);
+    run_requests sends request i with length i. A reversed range is refused naming both ends."""
+    import asyncio
+
+    from orchestrator.benchmarks import serving
+
+    cfg = BenchmarkServingConfig(app="a.yaml", output_dir="out", max_tokens_range=[32, 96])
+    lengths = serving.answer_lengths(cfg, 130)
+    assert sorted(lengths[:65]) == list(range(32, 97)) and lengths[65:] == lengths[:65]
+    assert lengths == serving.answer_lengths(cfg, 130) and len(set(lengths[:8])) == 8
+    assert serving.answer_lengths(BenchmarkServingConfig(app="a", output_dir="o"), 3) == [64, 64, 64]
+    with pytest.raises(ValueError, match=r"max_tokens_range \[96, 32\]: give \[lo, hi\] with lo <= hi"):
+        BenchmarkServingConfig(app="a.yaml", output_dir="out", max_tokens_range=[96, 32])
+
+    sent = []
+
+    async def fake(client, url, model, prompt, max_tokens):
+        sent.append((prompt["i"], max_tokens))
+        return {"tokens": max_tokens}
+
+    monkeypatch.setattr(serving, "stream_request", fake)
+    prompts = [{"i": i} for i in range(4)]
+    results, _ = asyncio.run(serving.run_requests("http://x", "m", prompts, 3, 6, lengths[:6]))
+    assert sorted(sent) == sorted((i % 4, lengths[i]) for i in range(6))
+    assert [r["tokens"] for r in results] == lengths[:6]
