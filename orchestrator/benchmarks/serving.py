@@ -26,6 +26,7 @@ from tqdm import tqdm
 from orchestrator.config import StrictModel
 from orchestrator.console import bar
 from orchestrator.errors import AerieError
+from orchestrator.runtime.metrics import DRAFT_REASONS
 from orchestrator.serving.backends import backend_of, build_application
 from orchestrator.serving.launch import read_serve_config
 from orchestrator.spec.acceptance import Acceptance
@@ -253,6 +254,7 @@ def scheduler_delta(before: dict, after: dict) -> dict:
         "acceptance_rate": acceptance.accepted / max(1, acceptance.draft_tokens),
         "target_to_draft_bytes_per_round": d.get("target_to_draft_bytes", 0) / rounds,
         "draft_to_target_bytes_per_round": d.get("draft_to_target_bytes", 0) / rounds,
+        "drafted_by": {r: d.get(f"drafted_{r}", 0) for r in DRAFT_REASONS} | {"catch_ups": d.get("catch_ups", 0)},
         "calibration": after.get("calibration"),  # the budget policy's state when the level ended
         "cost": after.get("cost"),
     }

@@ -163,7 +163,16 @@ TOTALS = (
     "draft_to_target_bytes",
     "target_failures",
     "draft_failures",
+    # why drafted rounds drafted (`Meter.drafted`): the mode chooser's first measurements of a batch size, its probes,
+    # its choice; a rollout's measurement window; `adaptive: false`. catch_ups: drafted rounds after target-only ones
+    "drafted_start",
+    "drafted_probe",
+    "drafted_best",
+    "drafted_measuring",
+    "drafted_fixed",
+    "catch_ups",
 )
+DRAFT_REASONS = ("start", "probe", "best", "measuring", "fixed")
 
 
 class Meter:
@@ -203,6 +212,11 @@ class Meter:
         self.totals["draft_compute_s"] += compute_s
         if self.export is not None:
             self.export.draft_latency.observe(latency)
+
+    def drafted(self, reason: str, catch_up: bool) -> None:
+        """A round drafted, for `reason` (DRAFT_REASONS); `catch_up`: after target-only rounds."""
+        self.totals[f"drafted_{reason}"] += 1
+        self.totals["catch_ups"] += catch_up
 
     def draft_error(self) -> None:
         """The drafter raised (its worker lives)."""

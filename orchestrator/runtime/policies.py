@@ -187,15 +187,17 @@ class ModeChooser:
     backoff: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
     probe: Probe | None = None  # the current probe, or the last one until it is judged
     probing: bool = False  # the last choice was a probe round
+    why: str = "best"  # the last choice: "start" (a bucket's first measurements), "probe" or "best"
     rounds: int = 0  # choices made
 
     def choose(self, n: int) -> bool:
         """True: draft this round."""
         bucket = n.bit_length()
         self.rounds += 1
-        self.probing = False
+        self.probing, self.why = False, "best"
         rounds = max(2, self.probe_rounds // bucket)
         if self._count(True, bucket) < rounds or self._count(False, bucket) < rounds:
+            self.why = "start"
             return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
         if self.probe is None or self.probe.left == 0:
             best = self.rate(True, bucket) >= self.rate(False, bucket)
@@ -208,7 +210,7 @@ class ModeChooser:
                 return best
             self.probe = Probe(mode=not best, bucket=bucket, left=rounds)
         self.probe.left -= 1
-        self.probing = True
+        self.probing, self.why = True, "probe"
         return self.probe.mode
 
     def _account(self, bucket: int, per_request: float, seconds: float) -> None:

@@ -74,6 +74,12 @@ class SchedulerConfig(StrictModel):
         "catch-up call, which sends whole histories, has worker_timeout_s",
     )
     max_prefill_attempts: int = Field(2, ge=1, description="prefills a request may lose to worker failures")
+    stream_states: bool = Field(
+        False,
+        description="target-only rounds still send the drafter their states (one call in flight per micro-batch, "
+        "not awaited), so drafting resumes without a catch-up of every skipped round: for a drafter on a device "
+        "of its own, or behind a thin link (on shared CPU cores its ingestion competes with the target)",
+    )
 
 
 @dataclass
@@ -123,7 +129,8 @@ class _Group:
     sync: Sync = Sync.IN_SYNC
     backlog: list = field(default_factory=list)  # Pairs (refs) the drafter has not seen, oldest first; IN_SYNC only
     modes: ModeChooser = field(default_factory=ModeChooser)
-    drafted_last: bool = False  # a drafted round after target-only ones catches up (ModeChooser skips it)
+    drafter_current: bool = False  # it has every round's states (drafted or streamed): a next draft is no catch-up
+    streaming: asyncio.Task | None = None  # target-only rounds' states on their way to the drafter (stream_states)
 
     def to(self, sync: Sync) -> None:
         """The one place the sync state changes. Every change empties the backlog: after a draft call it was
@@ -195,7 +202,7 @@ class SpecScheduler:
         self._ids = itertools.count()
         self._changed = asyncio.Event()
         self._loops: list[asyncio.Task] = []  # the group loops and the watchdog: they never end
-        self._helpers: set[asyncio.Task] = set()  # waiting for a restarting draft worker
+        self._helpers: set[asyncio.Task] = set()  # waiting for a restarting draft worker; states being streamed
         self._draft_ema = 0.0
 
     # -- client side -----------------------------------------------------------------------------------------
@@ -315,16 +322,24 @@ class SpecScheduler:
         drafted, predicted = None, 0.0
         draftable = any(r.draftable for r in group.requests.values())
         want = not self.cfg.adaptive or group.modes.choose(len(ids))
+        why = group.modes.why if self.cfg.adaptive else "fixed"
         m = self.measuring
         if m is not None and self.clock() > m.until:
             self.measuring = m = None
         if m is not None:
             m.rounds += 1
-            want = want or m.drafted < m.share * m.rounds
+            if not want and m.drafted < m.share * m.rounds:
+                want, why = True, "measuring"
+        catch_up = False
         if self.draft_alive and draftable and want:
+            if group.streaming is not None:  # the drafter first takes what was streamed (or its failure is known)
+                await asyncio.wait([group.streaming])
+            catch_up = group.sync is not Sync.IN_SYNC or not group.drafter_current
             drafted = await self._draft(g)
-            if m is not None and drafted is not None:
-                m.drafted += 1
+            if drafted is not None:
+                self.meter.drafted(why, catch_up)
+                if m is not None:
+                    m.drafted += 1
         sketches = drafted.sketches if drafted is not None else {}
         ids = [rid for rid in ids if rid in group.requests]  # requests that ended meanwhile are not verified
         if not ids:
@@ -350,9 +365,9 @@ class SpecScheduler:
         with_draft = drafted is not None
         if self.cfg.adaptive:
             emitted = sum(len(u.tokens) for u in out.updates)
-            catch_up = with_draft and not group.drafted_last
+            catch_up = with_draft and catch_up
             group.modes.observe(with_draft, len(ids), emitted, self.clock() - round_began, catch_up=catch_up)
-        group.drafted_last = with_draft
+        group.drafter_current = with_draft or self._stream(g)
         self._account(out, latency)
         self._deliver(out)
 
@@ -389,6 +404,16 @@ class SpecScheduler:
             return None
         latency = self.clock() - began
         group.to(Sync.IN_SYNC)
+        self._took(out)
+        self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
+        self.meter.draft_call(latency, out.compute_s)
+        self.meter.transfer("target_to_draft", out.pairs_bytes)
+        self._span("draft", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
+        sketches = {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}
+        return Drafted(sketches, trees_ref, out.trees_bytes)
+
+    def _took(self, out) -> None:
+        """What a propose call's answer says of the draft worker (a draft call's or a stream's)."""
         if self.draft_incarnation not in (None, out.incarnation):  # restarted between calls: its drafts are
             self._draft_restarted()  # still valid (verification is exact) but its caches miss history
         self.draft_incarnation = out.incarnation
@@ -399,12 +424,47 @@ class SpecScheduler:
         for rid, n in out.seen.items():
             if rid in self.requests:
                 self.requests[rid].draft_pairs = n
-        self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
-        self.meter.draft_call(latency, out.compute_s)
+
+    def _stream(self, g: int) -> bool:
+        """After a target-only round (`stream_states`): send the drafter the group's held states but the newest
+        without drafting, in the background, one call at a time per group (what arrives meanwhile waits for the
+        next). True when the drafter has, or will have, all of them but the newest round's."""
+        group = self.groups[g]
+        if group.streaming is not None and not group.streaming.done():
+            return True  # the next stream (or draft call) sends this round's states
+        group.streaming = None
+        if not (self.cfg.stream_states and self.draft_alive and group.sync is Sync.IN_SYNC):
+            return False
+        if len(group.backlog) < 2:
+            return True
+        # all but the newest: a draft call drafts from the states it is sent, so the next one must carry some
+        pairs, group.backlog = group.backlog[:-1], group.backlog[-1:]
+        task = asyncio.create_task(self._send_states(g, pairs))
+        group.streaming = task
+        self._helpers.add(task)
+        task.add_done_callback(self._helpers.discard)
+        return True
+
+    async def _send_states(self, g: int, pairs: list) -> None:
+        group = self.groups[g]
+        if group.sync is not Sync.IN_SYNC or not self.draft_alive:  # changed before the task began
+            return
+        rs = [r for r in group.requests.values() if r.draftable]  # now: a request that ended is not sent again
+        requests = [(r.id, r.params, 0) for r in rs]  # no nodes: the drafter commits the states, drafts nothing
+        try:
+            out, _ = await self.draft.call("propose", requests, pairs, [], returns=2)
+        except WorkerLost as err:
+            self._draft_lost(str(err))
+            return
+        except WorkerFailed as err:  # its state of them is unknown: the next draft sends whole histories
+            log.error("streaming states to the drafter failed: %s", err)
+            self.meter.draft_error()
+            self.draft.cast("release", [r.id for r in rs])
+            group.to(Sync.RESET)
+            return
+        self._took(out)
         self.meter.transfer("target_to_draft", out.pairs_bytes)
-        self._span("draft", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
-        sketches = {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}
-        return Drafted(sketches, trees_ref, out.trees_bytes)
+        self._span("stream", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
 
     def _node_cap(self, r: Request) -> int:
         """Never draft past max_tokens: a round emits at most (nodes on the path) + 1 tokens."""

@@ -279,10 +279,11 @@ class SimDraft(SimWorker):
             ingest += new[rid]
             drafted[rid] = min(cap, self.template.size)
         context = sum(self.seen[r] for r in drafted)
-        width = len(drafted) * self.topk
+        width = sum(1 for n in drafted.values() if n) * self.topk  # (no nodes: the states are only committed)
         cost = 0.0
         if drafted:  # the new states, then a forward per further level over the expanded nodes
             cost = self.costs.draft.seconds(ingest, context)
+        if width:
             cost += (self.depth - 1) * self.costs.draft.seconds(width, context + width)
         pairs_bytes = sum(p.nbytes for p in pairs)
         link = 0.0 if self.costs.colocated else self.costs.link.seconds(pairs_bytes)

@@ -39,6 +39,7 @@ def build(
     depth: int = 3,
     width: int = 2,
     tap=None,
+    stream_states: bool = False,
 ) -> Harness:
     clock = FakeClock()
 
@@ -61,6 +62,7 @@ def build(
         micro_batches=micro_batches,
         adaptive=adaptive,
         request_timeout_s=request_timeout_s,
+        stream_states=stream_states,
     )
     scheduler = SpecScheduler(target, draft, cfg, max_nodes, clock=clock, watchdog_s=None, poll_s=0)
     return Harness(scheduler, target, draft, clock)

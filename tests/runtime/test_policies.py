@@ -124,14 +124,16 @@ def test_calibration_of_a_calibrated_drafter_stays_near_one():
 def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
     modes = ModeChooser(probe_every=4, probe_rounds=2, max_backoff=4, probe_overhead=1.0)  # the backoff alone
     for _ in range(2):  # nothing measured: draft (probe_rounds rounds)
-        assert modes.choose(8) is True
+        assert modes.choose(8) is True and modes.why == "start"
         modes.observe(True, 8, tokens=10, seconds=1.0)
     for _ in range(2):  # then measure target-only
-        assert modes.choose(8) is False
+        assert modes.choose(8) is False and modes.why == "start"
         modes.observe(False, 8, tokens=11, seconds=1.0)
-    picks = [modes.choose(8) for _ in range(44)]  # rounds 5..48: target-only wins
-    # drafted rounds are probed (2 rounds) at round 8, then twice as rarely while they keep losing, up to 4x
+    picks, whys = zip(*[(modes.choose(8), modes.why) for _ in range(44)], strict=True)  # rounds 5..48
+    # target-only wins; drafted rounds are probed (2 rounds) at round 8, then twice as rarely while they keep
+    # losing, up to 4x; every drafted round is a probe (what /stats counts as drafted_probe)
     assert [r for r, p in enumerate(picks, start=5) if p] == [8, 9, 16, 17, 32, 33, 48]
+    assert all((w == "probe") == p for p, w in zip(picks, whys, strict=True))
     assert modes.choose(8) is True  # the probe at 48 goes on; it finds drafting faster now
     for _ in range(2):
         modes.observe(True, 8, tokens=40, seconds=1.0)

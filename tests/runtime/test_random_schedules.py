@@ -96,6 +96,7 @@ def run_schedule(seed: int) -> dict:
         eos=eos,
         context=CONTEXT,
         draft_context=rng.choice([None, None, 20]),
+        stream_states=rng.random() < 0.3,
         request_timeout_s=timeout_s,
         tick_s=0.05,
         depth=rng.choice([1, 2, 4]),

@@ -373,3 +373,46 @@ def test_measuring_drafts_a_bounded_share_of_rounds_the_mode_chooser_would_not()
     (rounds, drafted), (rounds_off, drafted_off) = run(h, body)
     assert drafted_off == 0 and rounds_off == 119  # target-only: one token a round after the prefill's first
     assert 0.5 * rounds - 1 <= drafted <= 0.5 * rounds + 1 and rounds < 120  # drafted rounds gain tokens
+    t = h.scheduler.meter.totals  # why draft calls were made: the window, every one; most follow a plain round
+    assert t["drafted_measuring"] == t["draft_calls"] >= drafted
+    assert t["drafted_best"] == t["drafted_probe"] == t["drafted_start"] == 0
+    assert t["draft_calls"] - 2 <= t["catch_ups"] <= t["draft_calls"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_streamed_states_spare_the_catch_up_when_drafting_resumes(stream):
+    """`stream_states`: target-only rounds still send their states to the drafter (no nodes, not awaited), so a
+    drafted round after a target-only stretch sends one round's states, not the stretch's; without it, every
+    such round is a catch-up. Output exact either way; a stream that fails leaves the next draft to send whole
+    histories (RESET), and nothing is left afterwards."""
+    calls = {"propose": 0}
+
+    def plan(method):
+        if method == "propose":
+            calls["propose"] += 1
+            return "raise" if calls["propose"] in (7, 19) else None  # two failing calls, streamed or drafted
+        return None
+
+    h = build(max_batch=4, micro_batches=1, adaptive=True, context=200, draft_plan=plan, stream_states=stream)
+    rounds = itertools.count()
+    h.scheduler.groups[0].modes.choose = lambda n: next(rounds) % 6 == 5  # draft every 6th round
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+
+    async def body(h):
+        rs = [h.scheduler.submit(p, params) for p in prompts]
+        await asyncio.gather(*[read(h, r) for r in rs])
+        return rs
+
+    rs = run(h, body)
+    for r, p in zip(rs, prompts, strict=True):
+        assert ended_once(r, h.seen[r.id]).finish_reason == "length"
+        assert tokens_of(h.seen[r.id]) == reference(p, params)
+    assert_settled(h)
+    t = h.scheduler.meter.totals
+    drafted = t["drafted_best"]
+    assert drafted >= 6 and t["spec_rounds"] >= drafted - 1  # each drafted from its states (the last: capped)
+    if stream:  # the first draft, and the two after a failing call (their whole histories), catch up
+        assert t["catch_ups"] <= 3 and t["draft_errors"] == 2
+    else:
+        assert t["catch_ups"] == drafted

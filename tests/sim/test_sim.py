@@ -221,3 +221,35 @@ def test_a_drafter_that_does_not_pay_at_16_users_costs_little_once_answers_end_a
     on, off = run(True, None), run(False, None)
     assert on["prefills"] > 2 * off["prefills"]
     assert on["per_user_tok_s"] / off["per_user_tok_s"] < 0.97
+
+
+def test_streamed_states_spare_catch_ups_over_a_thin_link():
+    """`stream_states` over a 5 Mbit/s draft link, 16 users, this CPU's costs: target-only rounds send their
+    states as they come, so drafting resumes with one round's states instead of every skipped one (catch-ups: the
+    first draft of a request's stretch, not each return to drafting), and speculation costs no more than without."""
+    from orchestrator.sim.costs import Link
+
+    costs = CostModel(
+        target=StepCost(fixed_s=0.058, tree_s=0.019, per_token_s=0.0021, per_context_s=2.7e-5),
+        prefill=StepCost(fixed_s=0.118, per_token_s=0.0011, per_context_s=0.0011),
+        draft=StepCost(per_token_s=0.00048, per_context_s=2.3e-5),
+        call_s=0.0035,
+        link=Link(bandwidth_bytes_s=5e6 / 8, latency_s=0.0005),
+        aux_bytes_per_token=6920,
+    )
+
+    def run(stream: bool) -> dict:
+        cfg = SimConfig(
+            costs=costs,
+            acceptance=AcceptanceProfile(chain=[0.63, 0.42, 0.25, 0.4]),
+            spec={"method": "tree", "depth": 4, "topk": 2, "budget": 8},
+            scheduler={"max_batch": 16, "budget_tokens": 48, "micro_batches": 1, "stream_states": stream},
+            workload={"users": 16, "requests": 320, "prompt_tokens": [22, 25, 32, 37], "warmup": 16, "max_tokens": 96}
+            | {"answer_tokens": list(range(32, 97))},
+        )
+        return simulate(cfg, keep_trace=True)
+
+    held, streamed = run(False), run(True)
+    assert streamed["totals"]["catch_ups"] <= 2 < held["totals"]["catch_ups"]
+    assert any(s["name"] == "stream" for s in streamed["trace"]) and streamed["failed"] == 0
+    assert streamed["per_user_tok_s"] >= held["per_user_tok_s"]
