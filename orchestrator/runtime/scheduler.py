@@ -456,8 +456,8 @@ class SpecScheduler:
         except WorkerLost as err:
             self._draft_lost(str(err))
             return
-        except WorkerFailed as err:  # its state of them is unknown: the next draft sends whole histories
-            log.error("streaming states to the drafter failed: %s", err)
+        except Exception as err:  # noqa: BLE001 (the drafter raised, or a bug here: its state of them is unknown)
+            log.error("streaming states to the drafter failed, its next draft sends whole histories: %s", err)
             self.meter.draft_error()
             self.draft.cast("release", [r.id for r in rs])
             group.to(Sync.RESET)
