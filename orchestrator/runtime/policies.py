@@ -29,12 +29,15 @@ acceptance gate saw no drafts on that backend and waited out its whole window (1
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from orchestrator.spec.tree import BestFirst
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,6 +191,7 @@ class ModeChooser:
     probe: Probe | None = None  # the current probe, or the last one until it is judged
     probing: bool = False  # the last choice was a probe round
     why: str = "best"  # the last choice: "start" (a bucket's first measurements), "probe" or "best"
+    chosen: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode it last chose (to log a switch)
     rounds: int = 0  # choices made
 
     def choose(self, n: int) -> bool:
@@ -201,6 +205,9 @@ class ModeChooser:
             return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
         if self.probe is None or self.probe.left == 0:
             best = self.rate(True, bucket) >= self.rate(False, bucket)
+            if self.chosen.setdefault(bucket, best) != best:
+                self.chosen[bucket] = best
+                self._log_switch(bucket, best)
             if self.probe is not None:  # the last probe is over: did it change the choice in its bucket?
                 b, mode = self.probe.bucket, self.probe.mode
                 won = (self.rate(True, b) >= self.rate(False, b)) == mode
@@ -212,6 +219,20 @@ class ModeChooser:
         self.probe.left -= 1
         self.probing, self.why = True, "probe"
         return self.probe.mode
+
+    def _log_switch(self, bucket: int, drafting: bool) -> None:
+        """A switch of mode at a batch size, with what decided it (rare: at most once per probe)."""
+        d, p = self.measured[(True, bucket)], self.measured[(False, bucket)]
+        lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+        log.info(
+            "batches of %s requests now %s: drafted %.2f tokens per request in %.1f ms, target-only %.2f in %.1f ms",
+            f"{lo}-{hi}" if hi > lo else lo,
+            "draft" if drafting else "go target-only",
+            d.tokens,
+            1e3 * d.seconds,
+            p.tokens,
+            1e3 * p.seconds,
+        )
 
     def _account(self, bucket: int, per_request: float, seconds: float) -> None:
         """The probing budget: a probe round's loss against the better mode goes into the debt, any other round

@@ -12,6 +12,7 @@ both workers free, every backlog within bounds). A run that would hang raises `S
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import statistics
 import time
@@ -84,7 +85,13 @@ def simulate(cfg: SimConfig, keep_trace: bool = False) -> dict:
         trace_size=10**6 if keep_trace else 0,
     )
     began = time.perf_counter()
-    records = run_virtual(_drive(scheduler, target, cfg.workload, clock), clock)
+    chooser = logging.getLogger("orchestrator.runtime.policies")  # a simulated switch of mode is no server's news
+    level = chooser.level
+    chooser.setLevel(logging.WARNING)
+    try:
+        records = run_virtual(_drive(scheduler, target, cfg.workload, clock), clock)
+    finally:
+        chooser.setLevel(level)
     wall = time.perf_counter() - began
     _check_settled(scheduler, target, draft)
     out = _summary(records, scheduler, clock.now, wall, target_device, draft_device if draft else None)

@@ -121,7 +121,7 @@ def test_calibration_of_a_calibrated_drafter_stays_near_one():
     assert 0.85 < sum(cals[500:]) / len(cals[500:]) < 1.15
 
 
-def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
+def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes(caplog):
     modes = ModeChooser(probe_every=4, probe_rounds=2, max_backoff=4, probe_overhead=1.0)  # the backoff alone
     for _ in range(2):  # nothing measured: draft (probe_rounds rounds)
         assert modes.choose(8) is True and modes.why == "start"
@@ -137,8 +137,14 @@ def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes():
     assert modes.choose(8) is True  # the probe at 48 goes on; it finds drafting faster now
     for _ in range(2):
         modes.observe(True, 8, tokens=40, seconds=1.0)
-    picks = [modes.choose(8) for _ in range(8)]  # drafting wins; the backoff starts over: target-only probed often
+    with caplog.at_level("INFO", logger="orchestrator.runtime.policies"):
+        picks = [modes.choose(8) for _ in range(8)]  # drafting wins; the backoff starts over: target-only probed often
     assert picks.count(False) == 4  # (at the old 16-round interval: none)
+    switches = [r.getMessage() for r in caplog.records]  # the switch is logged once, with what decided it
+    assert switches == [  # tokens per request and round: drafted (10 + 10 + 40 + 40) / 4 / 8, target-only 11 / 8
+        "batches of 8-15 requests now draft: drafted 3.12 tokens per request in 1000.0 ms, "
+        "target-only 1.38 in 1000.0 ms"
+    ]
     assert modes.choose(1) is True  # another batch size is measured on its own
 
 
