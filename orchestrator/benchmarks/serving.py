@@ -255,6 +255,7 @@ def scheduler_delta(before: dict, after: dict) -> dict:
         "target_to_draft_bytes_per_round": d.get("target_to_draft_bytes", 0) / rounds,
         "draft_to_target_bytes_per_round": d.get("draft_to_target_bytes", 0) / rounds,
         "drafted_by": {r: d.get(f"drafted_{r}", 0) for r in DRAFT_REASONS} | {"catch_ups": d.get("catch_ups", 0)},
+        "modes": after.get("modes"),  # the mode choosers' measurements when the level ended
         "calibration": after.get("calibration"),  # the budget policy's state when the level ended
         "cost": after.get("cost"),
     }

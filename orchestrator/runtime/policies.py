@@ -220,6 +220,23 @@ class ModeChooser:
         self.probing, self.why = True, "probe"
         return self.probe.mode
 
+    def state(self) -> dict:
+        """What it has measured, per batch size (`/stats` shows it): each mode's tokens per request and round, its
+        milliseconds per round and rounds measured, and the mode it chooses there; and the probing debt."""
+        buckets = sorted({b for _, b in self.measured})
+        out: dict = {"debt_s": self.debt}
+        for b in buckets:
+            lo, hi = 1 << (b - 1), (1 << b) - 1
+            modes = {
+                name: {"tokens": m.tokens, "ms": 1e3 * m.seconds, "rounds": m.rounds}
+                for name, drafted in (("drafted", True), ("target_only", False))
+                if (m := self.measured.get((drafted, b))) is not None
+            }
+            if len(modes) == 2:
+                modes["choice"] = "drafted" if self.rate(True, b) >= self.rate(False, b) else "target_only"
+            out[f"{lo}-{hi}" if hi > lo else str(lo)] = modes
+        return out
+
     def _log_switch(self, bucket: int, drafting: bool) -> None:
         """A switch of mode at a batch size, with what decided it (rare: at most once per probe)."""
         d, p = self.measured[(True, bucket)], self.measured[(False, bucket)]

@@ -663,6 +663,7 @@ class SpecScheduler:
             "running": running,
             "waiting": len(self.waiting),
             "kv_slots": slots,
+            "modes": [g.modes.state() for g in self.groups],  # what each micro-batch's mode chooser measured
             "transfer_bytes_per_round": {  # mean over target rounds (prefills' pairs included)
                 d: totals[f"{d}_bytes"] / max(1, totals["rounds"]) for d in ("target_to_draft", "draft_to_target")
             },

@@ -140,6 +140,9 @@ def test_mode_chooser_follows_measured_rates_and_backs_off_its_probes(caplog):
     with caplog.at_level("INFO", logger="orchestrator.runtime.policies"):
         picks = [modes.choose(8) for _ in range(8)]  # drafting wins; the backoff starts over: target-only probed often
     assert picks.count(False) == 4  # (at the old 16-round interval: none)
+    state = modes.state()  # as /stats shows it
+    assert state["8-15"]["choice"] == "drafted" and state["8-15"]["target_only"]["rounds"] == 2
+    assert state["8-15"]["drafted"]["ms"] == pytest.approx(1000.0) and state["debt_s"] == 0.0
     switches = [r.getMessage() for r in caplog.records]  # the switch is logged once, with what decided it
     assert switches == [  # tokens per request and round: drafted (10 + 10 + 40 + 40) / 4 / 8, target-only 11 / 8
         "batches of 8-15 requests now draft: drafted 3.12 tokens per request in 1000.0 ms, "
