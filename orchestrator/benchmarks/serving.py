@@ -73,13 +73,6 @@ class BenchmarkServingConfig(StrictModel):
         "mtbench", description="'mtbench' (first turns, chat) or 'validation:DIR' (a collection's held-out split)"
     )
 
-    @field_validator("max_tokens_range")
-    @classmethod
-    def _range(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
-        if v is not None and v[0] > v[1]:
-            raise ValueError(f"max_tokens_range {list(v)}: give [lo, hi] with lo <= hi")
-        return v
-
     num_prompts: int = Field(16, ge=1, description="prompts cycled over")
     in_process: bool = Field(True, description="also time the in-process SpecEngine at concurrency 1")
     trace_concurrency: int | None = Field(4, description="write the round timeline of this level (spec mode)")
@@ -91,6 +84,13 @@ class BenchmarkServingConfig(StrictModel):
     port: int = Field(8000, description="Serve HTTP port on 127.0.0.1")
     address: str | None = Field(None, description="Ray cluster (default: RAY_ADDRESS, else a local Ray)")
     output_dir: str = Field(description="where result.json and the timeline go")
+
+    @field_validator("max_tokens_range")
+    @classmethod
+    def _range(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and v[0] > v[1]:
+            raise ValueError(f"max_tokens_range {list(v)}: give [lo, hi] with lo <= hi")
+        return v
 
 
 def _quantile(values: list[float], q: float) -> float | None:

@@ -145,6 +145,9 @@ class ServingMetrics:
                 self.accepted_per_depth.inc(1, {"depth": str(depth)})
 
 
+# why a round drafted (`Meter.drafted`): the mode chooser's first measurements of a batch size, its probes, its
+# choice; a rollout's measurement window; `adaptive: false`
+DRAFT_REASONS = ("start", "probe", "best", "measuring", "fixed")
 TOTALS = (
     "rounds",
     "spec_rounds",
@@ -163,16 +166,9 @@ TOTALS = (
     "draft_to_target_bytes",
     "target_failures",
     "draft_failures",
-    # why drafted rounds drafted (`Meter.drafted`): the mode chooser's first measurements of a batch size, its probes,
-    # its choice; a rollout's measurement window; `adaptive: false`. catch_ups: drafted rounds after target-only ones
-    "drafted_start",
-    "drafted_probe",
-    "drafted_best",
-    "drafted_measuring",
-    "drafted_fixed",
-    "catch_ups",
+    *(f"drafted_{r}" for r in DRAFT_REASONS),
+    "catch_ups",  # drafted rounds after target-only ones
 )
-DRAFT_REASONS = ("start", "probe", "best", "measuring", "fixed")
 
 
 class Meter:

@@ -141,6 +141,12 @@ class Measured:
     last: int = 0  # the choice it was last measured at
 
 
+def _sizes(bucket: int) -> str:
+    """The batch sizes of a bucket (n.bit_length()): "1", "2-3", "4-7", ..."""
+    lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+    return f"{lo}-{hi}" if hi > lo else str(lo)
+
+
 @dataclass
 class Probe:
     """Rounds of the mode `ModeChooser` is not choosing, at `bucket`; judged once `left` reaches 0."""
@@ -189,7 +195,6 @@ class ModeChooser:
     measured: dict[tuple[bool, int], Measured] = field(default_factory=dict)  # (drafted, bucket) -> its rounds
     backoff: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
     probe: Probe | None = None  # the current probe, or the last one until it is judged
-    probing: bool = False  # the last choice was a probe round
     why: str = "best"  # the last choice: "start" (a bucket's first measurements), "probe" or "best"
     chosen: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode it last chose (to log a switch)
     rounds: int = 0  # choices made
@@ -198,7 +203,7 @@ class ModeChooser:
         """True: draft this round."""
         bucket = n.bit_length()
         self.rounds += 1
-        self.probing, self.why = False, "best"
+        self.why = "best"
         rounds = max(2, self.probe_rounds // bucket)
         if self._count(True, bucket) < rounds or self._count(False, bucket) < rounds:
             self.why = "start"
@@ -217,7 +222,7 @@ class ModeChooser:
                 return best
             self.probe = Probe(mode=not best, bucket=bucket, left=rounds)
         self.probe.left -= 1
-        self.probing, self.why = True, "probe"
+        self.why = "probe"
         return self.probe.mode
 
     def state(self) -> dict:
@@ -226,7 +231,6 @@ class ModeChooser:
         buckets = sorted({b for _, b in self.measured})
         out: dict = {"debt_s": self.debt}
         for b in buckets:
-            lo, hi = 1 << (b - 1), (1 << b) - 1
             modes = {
                 name: {"tokens": m.tokens, "ms": 1e3 * m.seconds, "rounds": m.rounds}
                 for name, drafted in (("drafted", True), ("target_only", False))
@@ -234,16 +238,15 @@ class ModeChooser:
             }
             if len(modes) == 2:
                 modes["choice"] = "drafted" if self.rate(True, b) >= self.rate(False, b) else "target_only"
-            out[f"{lo}-{hi}" if hi > lo else str(lo)] = modes
+            out[_sizes(b)] = modes
         return out
 
     def _log_switch(self, bucket: int, drafting: bool) -> None:
         """A switch of mode at a batch size, with what decided it (rare: at most once per probe)."""
         d, p = self.measured[(True, bucket)], self.measured[(False, bucket)]
-        lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
         log.info(
             "batches of %s requests now %s: drafted %.2f tokens per request in %.1f ms, target-only %.2f in %.1f ms",
-            f"{lo}-{hi}" if hi > lo else lo,
+            _sizes(bucket),
             "draft" if drafting else "go target-only",
             d.tokens,
             1e3 * d.seconds,
@@ -254,7 +257,7 @@ class ModeChooser:
     def _account(self, bucket: int, per_request: float, seconds: float) -> None:
         """The probing budget: a probe round's loss against the better mode goes into the debt, any other round
         pays back `probe_overhead` of its time."""
-        if not self.probing:
+        if self.why != "probe":
             self.debt = max(0.0, self.debt - self.probe_overhead * seconds)
             return
         if (True, bucket) not in self.measured or (False, bucket) not in self.measured:
@@ -283,7 +286,7 @@ class ModeChooser:
         per_request = tokens / max(1, n)  # comparable across the batch sizes of one bucket
         self._account(n.bit_length(), per_request, seconds)
         if catch_up:  # measure the round after it instead (a catch-up round is drafted: a probe of drafting)
-            if self.probing:
+            if self.why == "probe":
                 self.probe.left += 1
             return
         m = self.measured.setdefault((drafted, n.bit_length()), Measured(per_request, seconds))
