@@ -68,6 +68,50 @@ def replay(
     return test.look(Acceptance(), Acceptance(), final=True)  # nothing recorded after window_s
 
 
+def resampled(stream: list[dict], apps: tuple[str, str], rng, block: int = 5) -> list[dict]:
+    """Another counter stream as the server could have produced it: the recorded poll-to-poll increments of both
+    apps (taken together, so a poll's load stays shared) drawn again with replacement in runs of `block`
+    consecutive polls (a moving-block bootstrap: drafts of one request span polls) and summed up again, at the
+    recorded poll times."""
+    steps, last = [], {app: Acceptance() for app in apps}
+    for row in stream:
+        now = {app: Acceptance.from_dict(row[app]) for app in apps}
+        steps.append({app: now[app] - last[app] for app in apps})
+        last = now
+    total, out = {app: Acceptance() for app in apps}, []
+    starts = range(max(1, len(steps) - block + 1))
+    while len(out) < len(stream):
+        start = rng.choice(starts)
+        for step in steps[start : start + block]:
+            if len(out) == len(stream):
+                break
+            total = {app: total[app] + step[app] for app in apps}
+            out.append({"t": stream[len(out)]["t"], **{app: a.to_dict() for app, a in total.items()}})
+    return out
+
+
+def replays(record: dict, n: int, test: dict, seed: int = 0, block: int = 5) -> dict:
+    """`n` decisions on streams resampled (`resampled`) from a rollout's record.json, each reached as the rollout
+    would (`replay`) under `test`'s settings (tolerance 0.1, min_drafts 50, alpha 0.05, window_s 60 and
+    max_window_s the stream's end where not given): how often each decision comes, and every decision's interval
+    and sample sizes."""
+    import random
+
+    stream = record.get("counters") or []
+    if "stable" not in record or "canary" not in record or not stream:
+        raise ValueError("not a canary's record: it needs stable, canary and counters (jobs.deploy's record.json)")
+    apps = (record["stable"]["app"], record["canary"]["app"])
+    rng = random.Random(seed)
+    window_s, max_window_s = test.get("window_s", 60.0), test.get("max_window_s", stream[-1]["t"])
+    verdicts = []
+    for _ in range(n):
+        canary_test = CanaryTest(test.get("tolerance", 0.1), test.get("min_drafts", 50), test.get("alpha", 0.05))
+        verdicts.append(replay(resampled(stream, apps, rng, block), *apps, canary_test, window_s, max_window_s))
+    counts = {d: sum(v.decision == d for v in verdicts) for d in ("promoted", "rolled back", "inconclusive")}
+    shown = [v.to_dict() for v in verdicts]
+    return {"replays": n, "block": block, "test": test, "decisions": counts, "verdicts": shown}
+
+
 class CanaryTest:
     """Sequential non-inferiority test of the canary's acceptance against the stable backend's (module docstring)."""
 

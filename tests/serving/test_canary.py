@@ -106,3 +106,50 @@ def test_a_recorded_counter_stream_is_decided_again_as_the_rollout_decided_it(tm
     lenient = replay(stream, "s", "c", CanaryTest(2.0, 50), window_s=5, max_window_s=39)
     assert lenient.decision == "promoted" and lenient.low >= -2.0
     assert replay(stream[:3], "s", "c", CanaryTest(0.1, 50), window_s=5, max_window_s=39).decision == "inconclusive"
+
+
+def _record(rng: random.Random, p_stable: float, p_canary: float, polls: int = 120, per_poll: int = 3) -> dict:
+    """A rollout's record.json as jobs.deploy writes it: the two routes and every poll's window totals."""
+    stable, canary, stream = Acceptance(), Acceptance(), []
+    for poll in range(polls):
+        for _ in range(per_poll):
+            stable.record(5, _draft(rng, p_stable))
+            canary.record(5, _draft(rng, p_canary))
+        stream.append({"t": float(poll), "aerie-1": stable.to_dict(), "aerie-2": canary.to_dict()})
+    return {"stable": {"app": "aerie-1"}, "canary": {"app": "aerie-2"}, "counters": stream}
+
+
+def test_replays_on_resampled_counter_streams_never_promote_a_drafter_that_accepts_little(tmp_path, capsys):
+    """`aerie canary-replay`: 200 decisions on block-resampled copies of one recorded stream. A candidate that
+    accepts little (0.05 per token against 0.6) is never promoted; an equal or better one nearly always is; each
+    decision keeps its interval and sample sizes. Resampling keeps a stream's totals in expectation."""
+    import json
+
+    from orchestrator.cli import main
+    from orchestrator.serving.canary import replays, resampled
+
+    rng = random.Random(7)
+    weak, better = _record(rng, 0.6, 0.05), _record(rng, 0.5, 0.65)
+    test = {"tolerance": 0.1, "min_drafts": 50, "window_s": 10}
+    refused = replays(weak, 200, test, seed=1)
+    assert refused["decisions"]["promoted"] == 0 and refused["decisions"]["rolled back"] == 200
+    promoted = replays(better, 200, test, seed=1)
+    assert promoted["decisions"]["promoted"] >= 190
+    v = promoted["verdicts"][0]
+    assert v["low"] <= v["difference"] <= v["high"] and min(v["canary_drafts"], v["stable_drafts"]) >= 50
+    copies = [resampled(better["counters"], ("aerie-1", "aerie-2"), random.Random(s)) for s in range(40)]
+    drafts = [c[-1]["aerie-2"]["drafts"] for c in copies]
+    assert all(len(c) == 120 and c[-1]["t"] == 119.0 for c in copies) and set(drafts) == {360}
+    accepted = sum(c[-1]["aerie-2"]["accepted"] for c in copies) / 40
+    assert accepted == pytest.approx(better["counters"][-1]["aerie-2"]["accepted"], rel=0.1)
+
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(weak))
+    assert (
+        main(["canary-replay", str(path), "--replays", "20", "--window-s", "10", "--out", str(tmp_path / "r.json")])
+        == 0
+    )
+    assert '"promoted": 0' in capsys.readouterr().out and json.loads((tmp_path / "r.json").read_text())["replays"] == 20
+    path.write_text(json.dumps({"decision": "initial"}))  # the first deployment's record: nothing to replay
+    assert main(["canary-replay", str(path)]) == 2  # a user error: one line, no traceback
+    assert "not a canary's record" in capsys.readouterr().err
