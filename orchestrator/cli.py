@@ -331,6 +331,33 @@ def _traffic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _canary_replay(args: argparse.Namespace) -> int:
+    """A canary's recorded counters, resampled and decided again `--replays` times (serving/canary.py)."""
+    from orchestrator.serving.canary import replays
+
+    path = Path(args.record)
+    if not path.is_file():
+        raise AerieError(f"{path} does not exist: give a rollout's record.json")
+    if args.replays < 1 or args.block < 1:
+        raise AerieError("--replays and --block must be at least 1")
+    test = {"tolerance": args.tolerance, "min_drafts": args.min_drafts, "alpha": args.alpha, "window_s": args.window_s}
+    if args.max_window_s is not None:
+        test["max_window_s"] = args.max_window_s
+    try:
+        result = replays(json.loads(path.read_text()), args.replays, test, args.seed, args.block)
+    except (ValueError, KeyError) as err:
+        raise AerieError(f"{path}: {err}") from err
+    sizes = [(v["canary_drafts"], v["stable_drafts"]) for v in result["verdicts"]]
+    print(
+        json.dumps(result["decisions"]),
+        f"in {args.replays} replays; drafts per decision (canary, stable): median {sorted(sizes)[len(sizes) // 2]}",
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def _load(args: argparse.Namespace) -> int:
     """Steady streaming load on a served model (benchmarks/load.py)."""
     import asyncio
@@ -477,6 +504,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-capture", action="store_true", help="send X-Aerie-Capture: off (the tap keeps none)")
     p.add_argument("--out", default=None, help="also write the summary as JSON here")
     p.set_defaults(func=_load)
+
+    p = sub.add_parser("canary-replay", help="decide a recorded canary again on resampled counter streams")
+    p.add_argument("record", help="a rollout's record.json (jobs.deploy's output_dir/<time>/record.json)")
+    p.add_argument("--replays", type=int, default=200, help="resampled streams, each decided once")
+    p.add_argument("--tolerance", type=float, default=0.1)
+    p.add_argument("--min-drafts", type=int, default=50)
+    p.add_argument("--alpha", type=float, default=0.05)
+    p.add_argument("--window-s", type=float, default=60.0, help="no decision before this many seconds")
+    p.add_argument(
+        "--max-window-s", type=float, default=None, help="undecided by then: inconclusive (default: the end)"
+    )
+    p.add_argument("--block", type=int, default=5, help="consecutive polls resampled together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write every decision as JSON here")
+    p.set_defaults(func=_canary_replay)
 
     p = sub.add_parser("key-id", help="an API key's id (for tap.no_capture_key_ids), the key read from stdin")
     p.set_defaults(func=_key_id)
