@@ -98,12 +98,20 @@ def markdown(report: dict, plots: list[Path]) -> str:
         lines.append(f"The Ray workers (capture, Ray Train, Ray Serve) log to `{report['ray_logs']}`.")
     c = report["collection"]
     summary = c.get("summary", {})
-    data = (
-        "hidden states captured while training (`train.data: online`): nothing stored"
-        if c["online"]
-        else f"`{c['output']}`: {summary.get('total_tokens', '?')} tokens, {summary.get('shards_planned', '?')} "
-        f"shards, manifest sha256 `{c['manifest_sha256']}` (MLflow run `{c['run_id']}`)."
-    )
+    if c["online"]:
+        data = "hidden states captured while training (`train.data: online`): nothing stored"
+    elif "traffic_shards" in summary:  # jobs.adapt: served traffic (and a replay of a collection)
+        data = (
+            f"`{c['output']}`: served traffic, {summary['traffic_shards']} shards ({summary['held_out_shards']} "
+            f"held out), {summary['replay_shards']} replayed; {summary.get('train_tokens', 0)} training and "
+            f"{summary.get('validation_tokens', 0)} held-out tokens, manifest sha256 `{c['manifest_sha256']}` "
+            f"(MLflow run `{c['run_id']}`)."
+        )
+    else:
+        data = (
+            f"`{c['output']}`: {summary.get('total_tokens', '?')} tokens, {summary.get('shards_planned', '?')} "
+            f"shards, manifest sha256 `{c['manifest_sha256']}` (MLflow run `{c['run_id']}`)."
+        )
     lines += [
         "",
         "## Data",
