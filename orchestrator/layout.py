@@ -66,12 +66,13 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "entry points",
-        "the pipeline, its report, the demo, the command line, job submission, the vLLM plugin",
+        "the pipeline, its report, the demos, the command line, job submission, the vLLM plugin",
         [
             "orchestrator.pipeline",
             "orchestrator.pipeline_report",
             "orchestrator.demo",
             "orchestrator.cluster_demo",
+            "orchestrator.adapt_demo",
             "orchestrator.cli",
             "orchestrator.jobrunner",
             "orchestrator.vllm_plugin",

@@ -13,10 +13,19 @@ from orchestrator.errors import AerieError
 
 
 async def steady_load(
-    url: str, prompts: list[dict], users: int, seconds: float, max_tokens: int, headers: dict[str, str]
+    url: str,
+    prompts: list[dict],
+    users: int,
+    seconds: float,
+    max_tokens: int,
+    headers: dict[str, str],
+    once: bool = False,
+    ignore_eos: bool = True,
 ) -> dict:
     """Requests from `users` closed-loop clients for `seconds` (each cycling through `prompts` from its own
-    offset); a summary: requests, failures and their first errors, tokens, per-user tokens/s."""
+    offset; `once`: each prompt sent at most once, the load ends when they run out); a summary: requests, failures
+    and their first errors, tokens, per-user tokens/s. `ignore_eos=False` lets answers end as the model ends them,
+    as real traffic does (the tap's demo); with True every answer is `max_tokens` long (soak runs)."""
     import httpx
 
     prompts = [{k: p[k] for k in ("messages", "prompt") if k in p} for p in prompts]  # no ids of the prompt sets
@@ -30,8 +39,9 @@ async def steady_load(
 
         async def user(u: int) -> None:
             i = u
-            while time.monotonic() < deadline:
-                results.append(await stream_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+            while time.monotonic() < deadline and not (once and i >= len(prompts)):
+                prompt = prompts[i % len(prompts)]
+                results.append(await stream_request(client, url, model, prompt, max_tokens, ignore_eos))
                 if "error" in results[-1]:
                     await asyncio.sleep(0.2)  # a refused request is counted, not retried at once
                 i += users

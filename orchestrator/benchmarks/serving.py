@@ -100,15 +100,16 @@ def _quantile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def stream_request(client, url: str, model: str, prompt: dict, max_tokens: int) -> dict:
-    """prompt: {"messages": [...]} (chat completions) or {"prompt": [token ids]} (completions)."""
+async def stream_request(client, url: str, model: str, prompt: dict, max_tokens: int, ignore_eos: bool = True) -> dict:
+    """prompt: {"messages": [...]} (chat completions) or {"prompt": [token ids]} (completions); greedy, and with
+    `ignore_eos` exactly `max_tokens` long."""
     chat = "messages" in prompt
     body = {
         "model": model,
         **prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

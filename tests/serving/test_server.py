@@ -394,6 +394,10 @@ def test_steady_load_keeps_users_busy_for_its_duration_and_counts_failures(apps,
     prompts = [{"messages": m, "task_id": i} for i, m in enumerate(references["messages"][:4])]  # ids are not sent
     summary = asyncio.run(steady_load(apps["chain"], prompts, users=2, seconds=3, max_tokens=8, headers=AUTH))
     assert summary["requests"] >= 2 and summary["failed"] == 0 and summary["tokens"] == 8 * summary["requests"]
+    once = asyncio.run(
+        steady_load(apps["chain"], prompts[:3], users=2, seconds=60, max_tokens=8, headers=AUTH, once=True)
+    )
+    assert once["requests"] == 3 and once["failed"] == 0  # each prompt once, then the load ends
     from orchestrator.errors import AerieError
 
     with pytest.raises(AerieError, match="answered 401"):  # no key: refused before any load

