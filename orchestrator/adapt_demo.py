@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except AerieError as err:
-        print(f"adapt-demo: {err}", file=sys.stderr)
-        return 1
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
