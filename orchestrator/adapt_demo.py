@@ -130,10 +130,12 @@ def noise_prompts(n: int, seed: int) -> list[dict]:
     ]
 
 
-def adapt_config(out: Path, validation_prompts: int) -> Path:
-    """configs/smollm2-135m/adapt.yaml with this demo's traffic, output and MLflow store."""
+def adapt_config(out: Path, validation_prompts: int, replay: str | None = None) -> Path:
+    """configs/smollm2-135m/adapt.yaml with this demo's traffic, output and MLflow store (and `replay`: a collection
+    replayed against forgetting)."""
     cfg = OmegaConf.load(REPO / "configs/smollm2-135m/adapt.yaml")
     cfg.traffic.output = str(out / "traffic")
+    cfg.traffic.replay = replay
     cfg.output_dir = str(out / "adapt")
     cfg.mlflow_tracking_uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
     cfg.evaluate.overrides = [o for o in cfg.evaluate.overrides if not o.startswith("sets.validation_prompts")]
@@ -196,9 +198,9 @@ def run(args: argparse.Namespace) -> dict:
         result["capture"] = measure(captured, args.users, 3600, headers, args.max_tokens, once=True)
         result["capture"]["minutes"] = (time.monotonic() - t0) / 60
         time.sleep(15)  # the tap's last partial shard (flush_s 10)
-        config = adapt_config(out, validation_prompts=64)
+        config = adapt_config(out, validation_prompts=64, replay=args.replay)
         print(f"[adapt-demo] jobs.adapt ({config}) under steady load of the unseen problems", flush=True)
-        load = Background(unseen, 2, quiet, args.max_tokens)
+        load = Background(unseen, args.background_users, quiet, args.max_tokens)
         adapt = subprocess.run(
             [sys.executable, "-m", "jobs.adapt", "--config", str(config)], cwd=REPO, env=env, check=False
         )
@@ -276,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capture", type=int, default=130, help="HumanEval problems captured (the rest are unseen)")
     p.add_argument("--measure-s", type=float, default=120.0, help="seconds of the before and after loads")
     p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument(
+        "--replay",
+        default=None,
+        help="a collection replayed against forgetting (e.g. runs/collect/smollm2-chitchat); without one, tuning "
+        "on code alone cost MT-Bench 10%% and the gate refused the candidate",
+    )
+    p.add_argument("--background-users", type=int, default=1, help="users streaming while jobs.adapt runs")
     p.add_argument("--poison", action="store_true", help="capture noise instead: the candidate must be refused")
     p.add_argument("--out", default="runs/adapt-demo")
     args = p.parse_args(argv)

@@ -7,7 +7,9 @@ from orchestrator.evaluation import EvalConfig
 
 
 def test_the_demo_adapts_on_its_own_traffic_and_mlflow_store(tmp_path):
-    cfg = load_config(AdaptConfig, adapt_config(tmp_path, validation_prompts=64))
+    assert load_config(AdaptConfig, adapt_config(tmp_path, validation_prompts=64)).traffic.replay is None
+    cfg = load_config(AdaptConfig, adapt_config(tmp_path, validation_prompts=64, replay="runs/collect/c"))
+    assert cfg.traffic.replay == "runs/collect/c"
     assert cfg.traffic.output == str(tmp_path / "traffic") and cfg.output_dir == str(tmp_path / "adapt")
     assert cfg.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
     overrides = cfg.evaluate.overrides
