@@ -34,7 +34,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from orchestrator.errors import AerieError
+from orchestrator.errors import AerieError, exit_status
 
 REPO = Path(__file__).resolve().parents[1]
 URL = "http://127.0.0.1:8000"
@@ -288,12 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poison", action="store_true", help="capture noise instead: the candidate must be refused")
     p.add_argument("--out", default="runs/adapt-demo")
     args = p.parse_args(argv)
-    try:
-        run(args)
-    except AerieError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from orchestrator.errors import AerieError
+from orchestrator.errors import AerieError, exit_status
 from orchestrator.stats import format_ratio, paired_ratio
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=_positive, default=1, help="the whole sequence again, every other time reversed")
     p.add_argument("--out", default="runs/cluster-demo")
     args = p.parse_args(argv)
-    try:
-        run(args)
-    except AerieError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: run(args))
 
 
 if __name__ == "__main__":

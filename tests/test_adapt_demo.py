@@ -34,3 +34,11 @@ def test_the_report_says_what_failed_even_when_the_adapt_job_did_not_finish():
     text = report({"domain": "code", "users": 4, "before": phase, "adapt_exit": 1, "failed_requests": 1})
     assert "1.500 (drafted 25% of rounds; 9 requests, 1 failed" in text and "jobs.adapt exit 1" in text
     assert "over the whole run: 1" in text
+
+
+def test_a_bad_flag_is_one_line_and_exit_status_2_before_anything_starts(capsys):
+    from orchestrator.adapt_demo import main
+
+    assert main(["--capture", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --capture must be 10..") and err.count("\n") == 1 and "Traceback" not in err
