@@ -136,6 +136,12 @@ class CollectConfig(StrictModel):
     )
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
     max_new_shards: int | None = Field(None, ge=0, description="write at most this many shards, then stop")
+    capture_sample: int | None = Field(
+        None,
+        ge=1,
+        description="capture only this many of the conversations, a sample fixed by their ids (e.g. a replay "
+        "share of a large corpus, for jobs.adapt); the collection is complete over that sample",
+    )
     regenerate: RegenerateConfig | None = Field(None, description="replace assistant turns by the target's own")
     measure_baseline: bool = Field(
         True, description="backend target: time a plain forward loop over the first shards (BASELINE_TOKENS)"
@@ -360,6 +366,13 @@ def sum_stats(parts: list[dict]) -> dict:
     return {k: round(v, 1) if isinstance(v, float) else v for k, v in total.items()}
 
 
+def sample_conversations(conversations: list[Conversation], n: int) -> list[Conversation]:
+    """`n` of `conversations`, the same ones on every run and in any order: those first by a hash of the id. The
+    hash differs from the split's (`split_of`), so the sample holds each split in its share."""
+    ranked = sorted(conversations, key=lambda c: hashlib.sha256(f"sample/{c.id}".encode()).hexdigest())
+    return ranked[:n]
+
+
 def render_all(cfg: CollectConfig, conversations: list[Conversation], tokenizer) -> dict[str, list[Sequence]]:
     """Every conversation under every template variant, by split."""
     out: dict[str, list[Sequence]] = {"train": [], "validation": []}
@@ -454,6 +467,8 @@ def plan_collection(cfg: CollectConfig, model_dir: Path) -> CollectionPlan:
     conversations = add_generated(cfg, model_dir, tokenizer, conversations, provenance)
     if not conversations:
         raise AerieError("the configured sources hold no usable conversation (each needs an assistant turn)")
+    if cfg.capture_sample is not None:
+        conversations = sample_conversations(conversations, cfg.capture_sample)
     by_split = render_all(cfg, conversations, tokenizer)
     plans = [p for split, seqs in by_split.items() for p in plan_shards(seqs, split, cfg.shard_tokens)]
     return CollectionPlan(hf, aux, provenance, plans)

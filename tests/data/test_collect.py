@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from orchestrator.data import corpus
-from orchestrator.data.collect import first_user
-from orchestrator.data.conversations import LoadReport, load_chitchat
+from orchestrator.data.collect import first_user, sample_conversations
+from orchestrator.data.conversations import Conversation, LoadReport, load_chitchat, split_of
 from orchestrator.data.shards import read_shard
 from orchestrator.data.synthetic import normalise
 from tests.helpers import ray_cli_env, start_ray_head, stop_ray_cluster
@@ -136,6 +136,17 @@ def test_s3_resumes_after_a_stop_and_after_corruption_to_the_local_bytes(config,
     for shard in json.loads(expected)["shards"]:
         assert get(shard["name"]) == (local_run / shard["name"]).read_bytes()
     assert not [k for k in keys() if k.startswith(".") or "/." in k], "no partial objects left behind"
+
+
+def test_capture_sample_is_fixed_by_the_ids_and_holds_both_splits():
+    """capture_sample (a replay sample of a large corpus): the same conversations whatever their order, and each
+    split in about its share; ranked by the split's own hash, the sample would be validation alone."""
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": "x"}]) for i in range(2000)]
+    picked = sample_conversations(convs, 200)
+    assert [c.id for c in sample_conversations(list(reversed(convs)), 200)] == [c.id for c in picked]
+    assert [c.id for c in sample_conversations(convs, 100)] == [c.id for c in picked[:100]]
+    held = sum(split_of(c.id, 0.05) == "validation" for c in picked)
+    assert 2 <= held <= 25  # ~10 of 200 at 5%
 
 
 @pytest.mark.parametrize(
