@@ -203,7 +203,7 @@ def _drafter_ref(cfg: SpecServeConfig) -> DrafterRef:
         raise AerieError(
             "speculation=true needs a drafter (a directory, s3://... or models:/...), or speculation=false"
         )
-    return read_drafter_ref(cfg.drafter)
+    return read_drafter_ref(cfg.drafter, cfg.mlflow_tracking_uri)
 
 
 def _error_body(event) -> dict:

@@ -22,6 +22,11 @@ class ServedModel(StrictModel):
     served_model_name: str | None = Field(None, description="the `model` clients send (default: the model's name)")
     models_dir: str = Field("models", description="where packaged models are prepared")
     drafter: str | None = Field(None, description="drafter: a directory, s3://... or models:/NAME@ALIAS")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="the registry a models:/ drafter is read from (default: MLFLOW_TRACKING_URI or runs/mlflow.db); "
+        "jobs.deploy sets its own tracking_uri here, so that a candidate comes from the registry that holds it",
+    )
     speculation: bool = Field(True, description="False: the baseline without speculation, same deployment code")
 
 

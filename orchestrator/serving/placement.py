@@ -98,6 +98,19 @@ class PlacementWatch:
             )
 
 
+def failure_reason(status) -> str:
+    """What Serve says went wrong with an application: its message ("Failed to update the deployments [...]") and,
+    for each deployment that says more, the last line of that (the exception a replica's constructor raised)."""
+    if status is None:
+        return "not found"
+    reasons = [status.message] if status.message else []
+    for name, deployment in (getattr(status, "deployments", None) or {}).items():
+        lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        if lines:
+            reasons.append(f"{name}: {lines[-1]}")
+    return " ".join(reasons) or "no reason given"
+
+
 def wait_running(app: str, timeout_s: float, tick=None) -> None:
     """Until Serve reports `app` RUNNING (`tick(elapsed_s)` every second meanwhile); a failed deploy raises."""
     from ray import serve
@@ -109,8 +122,7 @@ def wait_running(app: str, timeout_s: float, tick=None) -> None:
         if state.endswith("RUNNING"):
             return
         if state.endswith(("DEPLOY_FAILED", "UNHEALTHY")) or time.monotonic() - began > timeout_s:
-            message = status.message if status else "not found"
-            raise AerieError(f"backend {app} did not come up ({state}): {message[-500:]}")
+            raise AerieError(f"backend {app} did not come up ({state}): {failure_reason(status)[-500:]}")
         if tick is not None:
             tick(time.monotonic() - began)
         time.sleep(1)

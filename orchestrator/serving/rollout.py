@@ -296,7 +296,10 @@ def _prepare(cfg: DeployConfig) -> tuple[dict, str]:
     _, config_app = read_serve_config(cfg.app, overrides)
     version = config_app["args"].get("drafter") or "(no drafter)"
     if is_model_uri(version):  # a wrong name or alias fails here, not after a backend start
-        check_model_uri(version, cfg.tracking_uri)
+        # One registry for the whole rollout: the backend reads the drafter where this job checks and tags it.
+        registry = cfg.tracking_uri or config_app["args"].get("mlflow_tracking_uri")
+        config_app["args"]["mlflow_tracking_uri"] = cfg.tracking_uri = registry
+        check_model_uri(version, registry)
     api_keys()  # the backends and the router refuse to start without one; this job calls them with it
     return config_app, version
 

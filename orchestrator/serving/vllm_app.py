@@ -126,7 +126,7 @@ def llm_config(cfg: VllmServeConfig):
     if cfg.speculation:
         if cfg.drafter is None:
             raise AerieError("speculation=true needs a drafter (a directory, s3://... or models:/...)")
-        drafter = fetch_drafter(cfg.drafter, cfg.drafter_cache_dir)
+        drafter = fetch_drafter(cfg.drafter, cfg.drafter_cache_dir, cfg.mlflow_tracking_uri)
         engine["speculative_config"] = {
             "method": "eagle3",
             "model": str(drafter.resolve()),

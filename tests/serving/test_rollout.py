@@ -184,25 +184,51 @@ def _when_canary_takes_traffic(name: str, then, timeout_s: float = 600) -> threa
     return thread
 
 
+def _registered(drafter: Path, registry: Path, name: str) -> tuple[str, str]:
+    """`drafter` as version 1 of `name` in a registry of its own (not the default one): (models:/ URI, registry)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{registry / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    experiment = c.create_experiment("drafters", artifact_location=(registry / "artifacts").as_uri())
+    run = c.create_run(experiment)
+    c.log_artifacts(run.info.run_id, str(drafter), "drafter")
+    c.create_registered_model(name)
+    c.create_model_version(name, f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id)
+    return f"models:/{name}/1", uri
+
+
 def test_a_random_drafter_is_rolled_back_by_the_acceptance_gate(durable, tiny_chat, serve_session):
     """The stable backend drafts right to a random depth (acceptance ~2.5), the candidate has a drafter with
-    random weights (~1): rolled back under streaming load, no request fails, the stable one keeps every route."""
+    random weights (~1): rolled back under streaming load, no request fails, the stable one keeps every route.
+    The candidate is a models:/ version in the job's own registry (tracking_uri), which the server's backend does
+    not know by default: the job tells it where to read the drafter, and the decision is tagged there."""
     from ray import serve
 
     from orchestrator.serving.rollout import run_rollout
     from orchestrator.serving.router import stored_routes
+    from orchestrator.tracking.store import client
 
     app, tmp = durable
     stable = [r["app"] for r in stored_routes("dur")["routes"]]
-    bad = _random_drafter(tiny_chat, tmp / "bad", seed=7)
+    bad, registry = _registered(_random_drafter(tiny_chat, tmp / "bad", seed=7), tmp, "bad-drafter")
     with StreamingLoad(f"{serve_session}/dur") as load:
         time.sleep(3)
-        cfg = deploy_cfg(serve_session, app, "dur", drafter=str(bad), app_overrides=[NO_REPLAY], output_dir=str(tmp))
+        cfg = deploy_cfg(
+            serve_session,
+            app,
+            "dur",
+            drafter=bad,
+            tracking_uri=registry,
+            app_overrides=[NO_REPLAY],
+            output_dir=str(tmp),
+        )
         record = run_rollout(cfg)
         time.sleep(2)
     print(json.dumps({k: record[k] for k in ("decision", "acceptance", "reason")}, indent=1))
     canary = f"dur-{int(stable[0].rsplit('-', 1)[1]) + 1}"
-    assert record["decision"] == "rolled back" and record["app"] == stable[0]
+    assert record["decision"] == "rolled back" and record["app"] == stable[0], record.get("reason")
+    assert client(registry).get_model_version("bad-drafter", "1").tags["aerie.rollout"] == "rolled back"
     acceptance = record["acceptance"]
     assert acceptance[stable[0]]["acceptance_length"] > acceptance[canary]["acceptance_length"] + 0.5
     assert len(load.results) >= 20 and load.failures() == []
@@ -379,6 +405,25 @@ def test_an_actor_still_constructing_is_placed_and_one_without_resources_is_not(
     finally:
         ray.kill(slow)
         ray.kill(huge)
+
+
+def test_a_backend_that_fails_to_start_says_why_in_one_line():
+    """Serve's application message only says that a deployment failed; the reason is the last line of the
+    deployment's own message (a replica constructor's traceback)."""
+    from types import SimpleNamespace
+
+    from orchestrator.serving.placement import failure_reason
+
+    traceback = "Traceback (most recent call last):\n  File x\norchestrator.errors.AerieError: models:/d/1 is not there"
+    status = SimpleNamespace(
+        message="Failed to update the deployments ['SpecServer'].",
+        deployments={"SpecServer": SimpleNamespace(message=traceback), "Router": SimpleNamespace(message="")},
+    )
+    assert failure_reason(status) == (
+        "Failed to update the deployments ['SpecServer']. SpecServer: orchestrator.errors.AerieError: models:/d/1 "
+        "is not there"
+    )
+    assert failure_reason(None) == "not found"
 
 
 def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_drafter):
