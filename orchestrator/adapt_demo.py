@@ -1,6 +1,6 @@
 """`make adapt-demo`: the drafter learning from the traffic it serves, end to end on the embedded default.
 
-    python -m orchestrator.adapt_demo [--users 4] [--capture 130] [--out runs/adapt-demo]
+    python -m orchestrator.adapt_demo [--users 4] [--capture 130] [--out runs/adapt-demo] [--resume]
 
 1. `aerie serve` runs SmolLM2-135M-Instruct with the committed broad EAGLE-3.1 drafter and the traffic tap on.
 2. **Before**: steady load of HumanEval problems the capture never sends (code: a domain the drafter did not
@@ -149,6 +149,9 @@ def adapt_config(out: Path, validation_prompts: int, replay: str | None = None) 
     return path
 
 
+EARLIER = ("adapt_exit", "adapt", "minutes", "during_adapt", "after")  # what --resume keeps of a stopped run
+
+
 def run(args: argparse.Namespace) -> dict:
     from orchestrator.data.prompts import humaneval_prompts
     from orchestrator.serving.app import CAPTURE_HEADER
@@ -176,6 +179,15 @@ def run(args: argparse.Namespace) -> dict:
     if args.poison:
         domain = "noise (words drawn at random from the target's vocabulary) captured; HumanEval measured"
     result: dict = {"users": args.users, "domain": domain, "poison": args.poison}
+    earlier = out / "result.json"
+    if args.resume:  # the earlier run's before and capture stand; jobs.adapt skips the stages it finished
+        if not earlier.is_file() or not (out / "adapt" / "state.json").is_file():
+            raise AerieError(f"--resume needs an earlier run's {earlier} and {out / 'adapt' / 'state.json'}")
+        kept = json.loads(earlier.read_text())
+        if kept.get("poison") != args.poison:
+            raise AerieError(f"--resume: {earlier} was {'' if kept.get('poison') else 'not '}a --poison run")
+        result |= {k: kept[k] for k in ("before", "capture", "runs") if k in kept}
+        result["runs"] = [*kept.get("runs", []), {k: kept.get(k) for k in EARLIER}]
     log = open(out / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
     server = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "serve", "--config", "configs/smollm2-135m/serve.yaml", *tap],
@@ -190,14 +202,15 @@ def run(args: argparse.Namespace) -> dict:
         print("[adapt-demo] starting the server (the tap on)", flush=True)
         _wait_ready(server, headers)
         began = time.monotonic()
-        print(f"[adapt-demo] before: {len(unseen)} unseen problems, {args.users} users, not captured", flush=True)
-        result["before"] = measure(unseen, args.users, args.measure_s, quiet, args.max_tokens, once=False)
-        print(f"[adapt-demo]   live acceptance {result['before']['acceptance_length']:.3f}", flush=True)
-        print(f"[adapt-demo] capture: {len(captured)} problems, each once, the tap on", flush=True)
-        t0 = time.monotonic()
-        result["capture"] = measure(captured, args.users, 3600, headers, args.max_tokens, once=True)
-        result["capture"]["minutes"] = (time.monotonic() - t0) / 60
-        time.sleep(15)  # the tap's last partial shard (flush_s 10)
+        if not args.resume:
+            print(f"[adapt-demo] before: {len(unseen)} unseen problems, {args.users} users, not captured", flush=True)
+            result["before"] = measure(unseen, args.users, args.measure_s, quiet, args.max_tokens, once=False)
+            print(f"[adapt-demo]   live acceptance {result['before']['acceptance_length']:.3f}", flush=True)
+            print(f"[adapt-demo] capture: {len(captured)} problems, each once, the tap on", flush=True)
+            t0 = time.monotonic()
+            result["capture"] = measure(captured, args.users, 3600, headers, args.max_tokens, once=True)
+            result["capture"]["minutes"] = (time.monotonic() - t0) / 60
+            time.sleep(15)  # the tap's last partial shard (flush_s 10)
         config = adapt_config(out, validation_prompts=64, replay=args.replay)
         print(f"[adapt-demo] jobs.adapt ({config}) under steady load of the unseen problems", flush=True)
         load = Background(unseen, args.background_users, quiet, args.max_tokens)
@@ -223,6 +236,9 @@ def run(args: argparse.Namespace) -> dict:
         if phase in result:
             failed += result[phase]["load"]["failed"]
     failed += result.get("during_adapt", {}).get("failed", 0)
+    for earlier_run in result.get("runs", []):  # --resume: what the stopped runs' loads saw counts too
+        failed += (earlier_run.get("during_adapt") or {}).get("failed", 0)
+        failed += ((earlier_run.get("after") or {}).get("load") or {}).get("failed", 0)
     result["failed_requests"] = failed
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "report.md").write_text(report(result) + "\n")
@@ -267,6 +283,9 @@ def report(r: dict) -> str:
         f"- live acceptance after: {live('after')}",
         f"- failed requests over the whole run: {r['failed_requests']}",
     ]
+    for i, earlier in enumerate(r.get("runs", []), 1):
+        reason = ((earlier.get("adapt") or {}).get("deploy") or {}).get("reason") or "-"
+        lines.append(f"- resumed: run {i} stopped in jobs.adapt (exit {earlier.get('adapt_exit')}; deploy: {reason})")
     if r.get("adapt"):
         lines += ["", "```json", json.dumps(r["adapt"], indent=2)[:6000], "```"]
     return "\n".join(lines)
@@ -287,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--background-users", type=int, default=1, help="users streaming while jobs.adapt runs")
     p.add_argument("--poison", action="store_true", help="capture noise instead: the candidate must be refused")
     p.add_argument("--out", default="runs/adapt-demo")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from a run that stopped in jobs.adapt: its before and capture stand, jobs.adapt skips the "
+        "stages it finished, then after",
+    )
     args = p.parse_args(argv)
     return exit_status(lambda: run(args))
 

@@ -42,3 +42,25 @@ def test_a_bad_flag_is_one_line_and_exit_status_2_before_anything_starts(capsys)
     assert main(["--capture", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --capture must be 10..") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_resume_needs_a_stopped_run_and_says_so_before_anything_starts(tmp_path, capsys):
+    from orchestrator.adapt_demo import main
+
+    assert main(["--resume", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --resume needs an earlier run's") and err.count("\n") == 1
+    assert not (tmp_path / "serve.log").exists()  # no server was started
+
+
+def test_a_resumed_report_counts_the_stopped_runs_failures_and_names_them():
+    phase = {
+        "acceptance_length": 1.8,
+        "spec_round_share": 0.3,
+        "load": {"requests": 9, "failed": 0, "per_user_tok_s": 9},
+    }
+    stopped = {"adapt_exit": 2, "adapt": {"deploy": {"reason": "did not start"}}, "during_adapt": {"failed": 0}}
+    text = report(
+        {"domain": "code", "users": 4, "after": phase, "adapt_exit": 0, "failed_requests": 0, "runs": [stopped]}
+    )
+    assert "resumed: run 1 stopped in jobs.adapt (exit 2; deploy: did not start)" in text
