@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
         kept = json.loads(earlier.read_text())
         if kept.get("poison") != args.poison:
             raise AerieError(f"--resume: {earlier} was {'' if kept.get('poison') else 'not '}a --poison run")
-        result |= {k: kept[k] for k in ("before", "capture", "runs") if k in kept}
+        result |= {k: kept[k] for k in ("before", "capture") if k in kept}
         result["runs"] = [*kept.get("runs", []), {k: kept.get(k) for k in EARLIER}]
     log = open(out / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
     server = subprocess.Popen(

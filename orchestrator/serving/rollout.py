@@ -39,6 +39,7 @@ from pydantic import Field
 
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
+from orchestrator.redaction import redact_text
 from orchestrator.serving.canary import CanaryTest
 from orchestrator.serving.counters import CounterWindow
 from orchestrator.serving.deployments import EventLog, ServeDeployments, undeploy
@@ -298,6 +299,11 @@ def _prepare(cfg: DeployConfig) -> tuple[dict, str]:
     if is_model_uri(version):  # a wrong name or alias fails here, not after a backend start
         # One registry for the whole rollout: the backend reads the drafter where this job checks and tags it.
         registry = cfg.tracking_uri or config_app["args"].get("mlflow_tracking_uri")
+        if registry and redact_text(registry) != registry:  # it goes into the backend's Serve config, shown to all
+            raise AerieError(
+                f"tracking URI {redact_text(registry)} holds a password: give MLflow's credentials through "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
+            )
         config_app["args"]["mlflow_tracking_uri"] = cfg.tracking_uri = registry
         check_model_uri(version, registry)
     api_keys()  # the backends and the router refuse to start without one; this job calls them with it

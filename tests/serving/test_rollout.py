@@ -458,8 +458,12 @@ def test_rollout_decisions_are_recorded_in_the_model_registry(tmp_path, tiny_dra
             "models:/no-such-drafter@candidate is not in the model registry",
         ),
         (["app=/nonexistent/serve.yaml"], "serve config '/nonexistent/serve.yaml' does not exist"),
+        (
+            ["drafter=models:/d@candidate", "tracking_uri=https://bob:hunter2@198.51.100.7/mlflow"],
+            "tracking URI https://***@198.51.100.7/mlflow holds a password",
+        ),
     ],
-    ids=["bad-weight", "unknown-model", "missing-app"],
+    ids=["bad-weight", "unknown-model", "missing-app", "password-in-registry-uri"],
 )
 def test_deploy_user_errors_are_one_line_before_anything_starts(overrides, pattern, tmp_path):
     import os
@@ -478,3 +482,4 @@ def test_deploy_user_errors_are_one_line_before_anything_starts(overrides, patte
     )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and errors and pattern in errors[0], proc.stderr
+    assert "hunter2" not in proc.stderr + proc.stdout
