@@ -73,6 +73,7 @@ def measure(prompts: list[dict], users: int, seconds: float, headers: dict, max_
     return {
         "load": load,
         "acceptance_length": sched["acceptance_length"],
+        "acceptance": sched["acceptance"],
         "spec_round_share": sched["spec_round_share"],
         "drafted_by": sched["drafted_by"],
     }
@@ -240,6 +241,7 @@ def run(args: argparse.Namespace) -> dict:
         failed += (earlier_run.get("during_adapt") or {}).get("failed", 0)
         failed += ((earlier_run.get("after") or {}).get("load") or {}).get("failed", 0)
     result["failed_requests"] = failed
+    result["live_change"] = live_change(result.get("before"), result.get("after"))
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "report.md").write_text(report(result) + "\n")
     print(report(result), flush=True)
@@ -258,6 +260,27 @@ def _adapt_summary(path: Path) -> dict:
         "gate": {k: r["gate"].get(k) for k in ("passed", "reason", "candidate_tau", "production_tau")},
         "deploy": r.get("deploy"),
         "mlflow": r.get("mlflow"),
+    }
+
+
+def live_change(before: dict | None, after: dict | None, level: float = 0.95) -> dict | None:
+    """Live acceptance after - before, with its interval (the canary's test: drafts as independent units, so
+    the interval is narrower than it should be when the loads hold few requests); None without both counters."""
+    from orchestrator.serving.canary import acceptance_difference, acceptance_interval
+    from orchestrator.spec.acceptance import Acceptance
+
+    if not (before or {}).get("acceptance") or not (after or {}).get("acceptance"):
+        return None
+    b, a = Acceptance.from_dict(before["acceptance"]), Acceptance.from_dict(after["acceptance"])
+    if not (a.drafts and b.drafts):
+        return None
+    diff, low, high = acceptance_difference(b, a, level)
+    return {
+        "before": [b.acceptance_length, *acceptance_interval(b, level)],
+        "after": [a.acceptance_length, *acceptance_interval(a, level)],
+        "difference": [diff, low, high],
+        "drafts": [b.drafts, a.drafts],
+        "level": level,
     }
 
 
@@ -283,6 +306,13 @@ def report(r: dict) -> str:
         f"- live acceptance after: {live('after')}",
         f"- failed requests over the whole run: {r['failed_requests']}",
     ]
+    if change := r.get("live_change"):
+        (b, bl, bh), (a, al, ah), (d, dl, dh) = change["before"], change["after"], change["difference"]
+        lines.append(
+            f"- live acceptance before {b:.3f} [{bl:.3f}, {bh:.3f}], after {a:.3f} [{al:.3f}, {ah:.3f}]: "
+            f"{d:+.3f} [{dl:+.3f}, {dh:+.3f}] ({100 * change['level']:.0f}%; {change['drafts'][0]} and "
+            f"{change['drafts'][1]} drafts)"
+        )
     for i, earlier in enumerate(r.get("runs", []), 1):
         reason = ((earlier.get("adapt") or {}).get("deploy") or {}).get("reason") or "-"
         lines.append(f"- resumed: run {i} stopped in jobs.adapt (exit {earlier.get('adapt_exit')}; deploy: {reason})")

@@ -64,3 +64,42 @@ def test_a_resumed_report_counts_the_stopped_runs_failures_and_names_them():
         {"domain": "code", "users": 4, "after": phase, "adapt_exit": 0, "failed_requests": 0, "runs": [stopped]}
     )
     assert "resumed: run 1 stopped in jobs.adapt (exit 2; deploy: did not start)" in text
+
+
+def test_live_acceptance_before_and_after_comes_with_intervals_that_cover_the_truth():
+    import random
+
+    from orchestrator.adapt_demo import live_change
+    from orchestrator.spec.acceptance import Acceptance
+
+    def load(p: float, drafts: int, rng: random.Random) -> dict:
+        a = Acceptance()
+        for _ in range(drafts):  # chains of 5: each next token accepted with probability p
+            n = 0
+            while n < 5 and rng.random() < p:
+                n += 1
+            a.record(5, n)
+        return {"acceptance": a.to_dict(), "acceptance_length": a.acceptance_length}
+
+    def mean_accepted(p: float) -> float:
+        return sum(p**d for d in range(1, 6))
+
+    rng, covered = random.Random(0), 0
+    for _ in range(200):
+        change = live_change(load(0.3, 300, rng), load(0.45, 200, rng))
+        d, low, high = change["difference"]
+        covered += low <= mean_accepted(0.45) - mean_accepted(0.3) <= high
+        assert change["before"][1] <= change["before"][0] <= change["before"][2] and change["drafts"] == [300, 200]
+    assert 180 <= covered <= 198  # 95% nominal
+    assert live_change(None, load(0.4, 10, rng)) is None and live_change({"acceptance_length": 1.2}, {}) is None
+    empty = {"acceptance": Acceptance().to_dict()}
+    assert live_change(empty, load(0.4, 10, rng)) is None  # a load that never drafted has no interval
+    text = report(
+        {
+            "domain": "code",
+            "users": 4,
+            "failed_requests": 0,
+            "live_change": live_change(load(0.3, 50, rng), load(0.5, 50, rng)),
+        }
+    )
+    assert "- live acceptance before 1." in text and "(95%; 50 and 50 drafts)" in text

@@ -251,6 +251,7 @@ def scheduler_delta(before: dict, after: dict) -> dict:
         "budget_use": d.get("verified_tokens", 0) / max(1, d.get("budget_tokens", 0)),
         "verified_tokens_per_round": d.get("verified_tokens", 0) / rounds,
         "acceptance_length": acceptance.acceptance_length,
+        "acceptance": acceptance.to_dict(),  # the counters: intervals, comparisons (serving.canary)
         "drafted_share": acceptance.drafts / max(1, d.get("batch", 0)),
         "acceptance_rate": acceptance.accepted / max(1, acceptance.draft_tokens),
         "target_to_draft_bytes_per_round": d.get("target_to_draft_bytes", 0) / rounds,

@@ -2,8 +2,10 @@
 
     python -m orchestrator.benchmarks.tap_cost --model models/smollm2-135m-instruct --batch 4 --repeats 8
 
-Two `TargetWorker`s of the same model in one process, one with the tap on (every request captured, shards
-written by its thread as in a server) and one without. Each block prefills `--batch` requests and decodes them to
+Two `TargetWorker`s of the same model, one with the tap on (a `--sample` share of requests captured, shards
+written by its thread as in a server) and one without: in this process, or (`--actors`) each in a Ray actor of
+its own, as the server runs them, which also shows what the tap costs its whole process (in one process both
+workers would pay it). Each block prefills `--batch` requests and decodes them to
 their end (each finished request is offered to the tap); blocks alternate ABBA, and the ratio of block times, tap
 on / off, comes with a bootstrap interval over the pairs. The serving benchmark
 (`configs/smollm2-135m/benchmark_serving-tap.yaml`) measures the same through two deployments, which differ by
@@ -38,31 +40,68 @@ def block_seconds(worker, batch: int, max_tokens: int, tag: str) -> float:
     return time.perf_counter() - began
 
 
-def measure(model: str, batch: int, repeats: int, max_tokens: int, threads: int, output: str) -> dict:
+class Arm:
+    """One target worker and the blocks it runs (a Ray actor with `--actors`)."""
+
+    def __init__(self, model: str, batch: int, threads: int, tap=None) -> None:
+        from orchestrator.runtime.workers import TargetWorker
+
+        self.worker = TargetWorker(model, [], max_batch=batch, torch_threads=threads, tap=tap)
+
+    def block(self, batch: int, max_tokens: int, tag: str) -> float:
+        return block_seconds(self.worker, batch, max_tokens, tag)
+
+    def close(self) -> dict | None:
+        return self.worker.close_tap()
+
+
+def measure(
+    model: str, batch: int, repeats: int, max_tokens: int, threads: int, output: str, sample=1.0, actors=False
+) -> dict:
     from orchestrator.data.traffic import TapConfig
-    from orchestrator.runtime.workers import TargetWorker
     from orchestrator.stats import paired_ratio
 
-    torch.set_num_threads(threads)
-    tap = TapConfig(enabled=True, output=output, sample=1.0, flush_s=5.0)
-    on = TargetWorker(model, [], max_batch=batch, torch_threads=threads, tap=tap)
-    off = TargetWorker(model, [], max_batch=batch, torch_threads=threads)
-    block_seconds(on, batch, max_tokens, "warm-on")
-    block_seconds(off, batch, max_tokens, "warm-off")
+    tap = TapConfig(enabled=True, output=output, sample=sample, flush_s=5.0)
+    if actors:
+        import ray
+
+        ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False)
+        remote = ray.remote(num_cpus=0)(Arm)
+        arms = {"on": remote.remote(model, batch, threads, tap), "off": remote.remote(model, batch, threads)}
+
+        def run(arm: str, tag: str) -> float:
+            return ray.get(arms[arm].block.remote(batch, max_tokens, tag))
+
+        def close() -> dict:
+            return ray.get(arms["on"].close.remote())
+    else:
+        torch.set_num_threads(threads)
+        arms = {"on": Arm(model, batch, threads, tap), "off": Arm(model, batch, threads)}
+
+        def run(arm: str, tag: str) -> float:
+            return arms[arm].block(batch, max_tokens, tag)
+
+        def close() -> dict:
+            return arms["on"].close()
+
+    run("on", "warm-on")
+    run("off", "warm-off")
     times: dict[str, list[float]] = {"on": [], "off": []}
     for r in bar(iterable=range(repeats), desc="tap on / off", unit="pair"):
         for arm in ("on", "off") if r % 2 == 0 else ("off", "on"):
-            times[arm].append(block_seconds(on if arm == "on" else off, batch, max_tokens, f"{arm}-{r}"))
-    on.close_tap()
-    expected, stats = batch * (repeats + 1), on.tap.stats
-    if stats.written_requests < expected:  # a benchmark of nothing (the prompts refused, the tap failing)
-        raise AerieError(f"the tap wrote {stats.written_requests} of {expected} requests: {stats}")
+            times[arm].append(run(arm, f"{arm}-{r}"))
+    stats = close()
+    expected = round(batch * (repeats + 1) * sample)
+    if sample == 1.0 and stats["written_requests"] < expected:  # a benchmark of nothing (prompts refused, tap failing)
+        raise AerieError(f"the tap wrote {stats['written_requests']} of {expected} requests: {stats}")
     return {
         "batch": batch,
         "repeats": repeats,
+        "sample": sample,
+        "actors": actors,
         "block_s": {arm: sum(t) / len(t) for arm, t in times.items()},
         "tap_on_over_off": paired_ratio(times["on"], times["off"]),
-        "tap": vars(on.tap.stats),
+        "tap": stats,
     }
 
 
@@ -73,11 +112,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=8, help="pairs of blocks (ABBA)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sample", type=float, default=1.0, help="share of requests the tap keeps (0: its thread only)")
+    p.add_argument("--actors", action="store_true", help="each worker in a Ray actor of its own, as served")
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error("--repeats must be at least 2: the interval is over pairs of blocks")
     with tempfile.TemporaryDirectory() as out:
-        result = measure(args.model, args.batch, args.repeats, args.max_tokens, args.threads, out)
+        result = measure(
+            args.model, args.batch, args.repeats, args.max_tokens, args.threads, out, args.sample, args.actors
+        )
     r = result["tap_on_over_off"]
     print(json.dumps(result, indent=1))
     print(f"tap on / off, block time at batch {args.batch}: {r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]")

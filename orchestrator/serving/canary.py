@@ -37,6 +37,24 @@ def accepted_moments(a: Acceptance) -> tuple[float, float]:
     return mean, mean * (most - mean)
 
 
+def acceptance_difference(base: Acceptance, other: Acceptance, level: float) -> tuple[float, float, float]:
+    """other's acceptance length - base's, with its normal interval at confidence `level` (drafts as independent
+    units: see the module docstring). Both sides need drafts."""
+    z = NormalDist().inv_cdf(1 - (1 - level) / 2)
+    (mb, vb), (mo, vo) = accepted_moments(base), accepted_moments(other)
+    diff = mo - mb
+    half = z * math.sqrt(vb / base.drafts + vo / other.drafts)
+    return diff, diff - half, diff + half
+
+
+def acceptance_interval(a: Acceptance, level: float = 0.95) -> list[float]:
+    """The interval of one side's acceptance length at confidence `level` (drafts as independent units)."""
+    z = NormalDist().inv_cdf(1 - (1 - level) / 2)
+    mean, var = accepted_moments(a)
+    half = z * math.sqrt(var / a.drafts) if a.drafts else math.inf
+    return [1 + mean - half, 1 + mean + half]
+
+
 @dataclass(frozen=True)
 class Verdict:
     decision: str  # "promoted", "rolled back" or "inconclusive"
@@ -136,11 +154,7 @@ class CanaryTest:
             return self._verdict("inconclusive", why, stable, canary, -math.inf, math.inf)
         level = self.alpha / 2 ** (self.looks + 1)
         self.looks += 1
-        z = NormalDist().inv_cdf(1 - level / 2)
-        (ms, vs), (mc, vc) = accepted_moments(stable), accepted_moments(canary)
-        diff = mc - ms
-        half = z * math.sqrt(vs / stable.drafts + vc / canary.drafts)
-        low, high = diff - half, diff + half
+        diff, low, high = acceptance_difference(stable, canary, 1 - level)
         shown = (
             f"canary {canary.acceptance_length:.3f} vs stable {stable.acceptance_length:.3f}: difference "
             f"{diff:+.3f} [{low:+.3f}, {high:+.3f}] ({100 * (1 - level):.2f}% interval, {canary.drafts} and "
