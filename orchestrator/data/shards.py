@@ -15,6 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 
@@ -82,9 +83,9 @@ def target_states(target: TargetModel, plan: ShardPlan, batch_tokens: int) -> tu
 
 def shard_bytes(plan: ShardPlan, aux: torch.Tensor, final: torch.Tensor, dtype: torch.dtype) -> bytes:
     """Serialise a captured shard (canonical safetensors bytes)."""
-    tensors = {
-        "input_ids": torch.cat([s.input_ids for s in plan.sequences]).to(torch.int32),
-        "loss_mask": torch.cat([s.loss_mask for s in plan.sequences]),
+    tensors = {  # ids and mask joined by numpy: the traffic tap's writer thread must not enter ATen's OpenMP team
+        "input_ids": torch.from_numpy(np.concatenate([s.input_ids.numpy() for s in plan.sequences]).astype(np.int32)),
+        "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask.numpy() for s in plan.sequences])),
         "aux_hidden": aux.to(dtype).contiguous(),
         "final_hidden": final.to(dtype).contiguous(),
         "seq_lens": torch.tensor([s.input_ids.numel() for s in plan.sequences], dtype=torch.int32),
@@ -141,7 +142,7 @@ def plan_record(plan: ShardPlan) -> dict:
         "split": plan.split,
         "num_tokens": plan.num_tokens,
         "num_sequences": len(plan.sequences),
-        "num_loss_tokens": int(sum(int(s.loss_mask.sum()) for s in plan.sequences)),
+        "num_loss_tokens": sum(int(np.count_nonzero(s.loss_mask.numpy())) for s in plan.sequences),
     }
 
 

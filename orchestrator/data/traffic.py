@@ -72,7 +72,8 @@ class TapConfig(StrictModel):
 @dataclass
 class Captured:
     """One finished request as the target worker saw it: positions 0..T-1 of prompt + answer (the answer's last
-    token, never forwarded, has no states and is not here)."""
+    token, never forwarded, has no states and is not here). The states come in the shards' dtype, converted by the
+    serving thread: the writer thread does no tensor arithmetic (see `_rows`)."""
 
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool: answer tokens
@@ -192,7 +193,7 @@ class TrafficTap:
         name = f"{self.writer}/traffic-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:6]}"
         plan = ShardPlan(f"{name}.safetensors", "train", pending.sequences)
         try:
-            data = shard_bytes(plan, torch.cat(pending.aux), torch.cat(pending.final), DTYPES[self.cfg.dtype])
+            data = shard_bytes(plan, _rows(pending.aux), _rows(pending.final), DTYPES[self.cfg.dtype])
             record = write_shard(self.storage, plan, data) | {"written_at": now, "writer": self.writer}
             with self._lock:  # the manifest on storage is the truth: `aerie traffic delete` may have run
                 self.records = [*self._read_manifest(), record]
@@ -266,6 +267,15 @@ class TrafficTap:
             "shards": shards,
         }
         self.storage.write_bytes(self._manifest_name(), json.dumps(manifest, indent=2).encode())
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) of [n_i, width] tensors, by joining their bytes. The writer thread must not enter ATen's
+    parallel kernels (a large cat or dtype conversion does): OpenMP would give it a thread team of its own, which
+    competes for the cores with the serving thread's team."""
+    width, dtype = parts[0].shape[1], parts[0].dtype
+    raw = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(-1, width)
 
 
 def traffic_shards(storage: Storage) -> list[dict]:

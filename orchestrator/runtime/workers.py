@@ -307,7 +307,8 @@ class TargetWorker:
                 return  # nothing to learn from: no answer token is an input
             ids = torch.cat([torch.tensor(q.prompt_ids), answer[:-1]])  # [T]
             mask = torch.arange(ids.numel()) >= len(q.prompt_ids)  # [T] the answer's tokens
-            aux, fin = torch.cat([p.aux for p in pairs]), torch.cat(finals)  # [T, k * hidden], [T, hidden]
+            aux = torch.cat([p.aux for p in pairs]).to(DTYPES[self.tap.cfg.dtype])  # [T, k * hidden]
+            fin = torch.cat(finals)  # [T, hidden]: already the shards' dtype
             self.tap.offer(Captured(ids, mask, aux, fin))
         except Exception:  # noqa: BLE001
             log.exception("the traffic tap could not take a finished request")

@@ -266,3 +266,30 @@ def test_a_writer_with_no_traffic_still_deletes_what_aged_out_even_after_a_resta
     assert traffic_shards(storage) == []
     assert not [n for n in storage.names() if n.endswith(".safetensors")]
     assert tap.stats.deleted_shards == 1
+
+
+def test_the_writer_thread_never_starts_an_openmp_team_of_its_own(tmp_path):
+    """A large cat or dtype cast on the writer thread would give it OpenMP threads beside the serving thread's:
+    on a small machine the two teams then contend for the cores (the tap deployment served 12-20% slower)."""
+    import os
+
+    import pytest
+
+    from orchestrator.data.traffic import Captured
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: no team to start")
+    torch.ones(1 << 20).add_(1)  # this thread's team exists before counting
+    tap = _tap(tmp_path, shard_tokens=40_000, dtype="bfloat16")
+    threads = len(os.listdir("/proc/self/task"))
+    n, width = 40_000, 96  # 3.8M elements a tensor: far above ATen's grain size
+    aux = torch.randn(n, 3 * width).to(torch.bfloat16)
+    big = Captured(torch.arange(n) % 100, torch.arange(n) >= 10, aux, torch.randn(n, width).to(torch.bfloat16))
+    tap.offer(big)
+    wait_written(tap, 1)
+    assert len(os.listdir("/proc/self/task")) == threads  # no new thread: the writer stayed serial
+    tap.close()
+    got = read_shard(
+        LocalStorage(tmp_path / "traffic").read_bytes(traffic_shards(LocalStorage(tmp_path / "traffic"))[0]["name"])
+    )
+    assert torch.equal(got["aux_hidden"], aux) and torch.equal(got["input_ids"].long(), big.input_ids)
