@@ -122,9 +122,14 @@ ROUND_ASKS = (  # how a round's capture asks for the problems: a later round see
 )
 
 
+def round_ask(round_no: int) -> str:
+    """How round `round_no` (1, 2, ...) asks for the problems."""
+    return ROUND_ASKS[(round_no - 1) % len(ROUND_ASKS)]
+
+
 def asked(problems: list[dict], round_no: int) -> list[dict]:
-    """The problems as round `round_no` (1, 2, ...) asks them; round 1 as `humaneval_prompts` does."""
-    ask = ROUND_ASKS[(round_no - 1) % len(ROUND_ASKS)]
+    """The problems as round `round_no` asks them; round 1 as `humaneval_prompts` does."""
+    ask = round_ask(round_no)
     out = []
     for p in problems:
         text = p["messages"][0]["content"]
@@ -205,9 +210,15 @@ def run(args: argparse.Namespace) -> dict:
     captured, unseen = problems[: args.capture], problems[args.capture :]
     if args.next_round and args.resume:
         raise AerieError("--next-round starts a round; --resume goes on with the one in --out (it knows its round)")
-    round_no = next_round(out) if args.next_round else 1
-    if args.resume and (out / "result.json").is_file():
-        round_no = int(json.loads((out / "result.json").read_text()).get("round", 1))
+    earlier = out / "result.json"
+    kept = None
+    if args.resume:  # the earlier run's before and capture stand; jobs.adapt skips the stages it finished
+        if not earlier.is_file() or not (out / "adapt" / "state.json").is_file():
+            raise AerieError(f"--resume needs an earlier run's {earlier} and {out / 'adapt' / 'state.json'}")
+        kept = json.loads(earlier.read_text())
+        if kept.get("poison") != args.poison:
+            raise AerieError(f"--resume: {earlier} was {'' if kept.get('poison') else 'not '}a --poison run")
+    round_no = next_round(out) if args.next_round else int((kept or {}).get("round", 1))
     captured = asked(captured, round_no)
     if args.poison:  # the traffic captured is noise; "before" and "after" still measure the HumanEval problems
         captured = noise_prompts(args.capture, seed=0)
@@ -226,21 +237,15 @@ def run(args: argparse.Namespace) -> dict:
     if args.poison:
         domain = "noise (words drawn at random from the target's vocabulary) captured; HumanEval measured"
     if round_no > 1:
-        domain += f"; round {round_no}: asked as {ROUND_ASKS[(round_no - 1) % len(ROUND_ASKS)].strip()!r}"
+        domain += f"; round {round_no}: asked as {round_ask(round_no).strip()!r}"
     result: dict = {"users": args.users, "domain": domain, "poison": args.poison, "round": round_no}
-    earlier = out / "result.json"
-    if args.resume:  # the earlier run's before and capture stand; jobs.adapt skips the stages it finished
-        if not earlier.is_file() or not (out / "adapt" / "state.json").is_file():
-            raise AerieError(f"--resume needs an earlier run's {earlier} and {out / 'adapt' / 'state.json'}")
-        kept = json.loads(earlier.read_text())
-        if kept.get("poison") != args.poison:
-            raise AerieError(f"--resume: {earlier} was {'' if kept.get('poison') else 'not '}a --poison run")
+    if kept is not None:
         result |= {k: kept[k] for k in ("before", "capture") if k in kept}
         result["runs"] = [*kept.get("runs", []), {k: kept.get(k) for k in EARLIER}]
     if round_no > 1:  # the drafter in production serves
         tap += [f"drafter=models:/{REGISTERED}@production", f"mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}"]
     if args.next_round:  # the earlier round's result is kept beside
-        (out / "result.json").rename(out / f"round-{round_no - 1}.json")
+        earlier.rename(out / f"round-{round_no - 1}.json")
     log = open(out / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
     server = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "serve", "--config", "configs/smollm2-135m/serve.yaml", *tap],

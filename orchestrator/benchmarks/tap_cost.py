@@ -6,8 +6,9 @@ Two `TargetWorker`s of the same model, one with the tap on (a `--sample` share o
 written by its thread as in a server) and one without: each in a Ray actor of its own (`--actors`), as the server
 runs them, or both in this process. Only the first shows what the tap costs its whole process: in one process both
 workers pay it (the writer's OpenMP team slowed the forward 29% that way, unseen in one process: docs/benchmarks.md).
-Each block prefills `--batch` requests and decodes them to their end (each finished request is offered to the tap); blocks alternate ABBA, and the ratio of block times, tap
-on / off, comes with a bootstrap interval over the pairs. The serving benchmark
+Each block prefills `--batch` requests and decodes them to their end (each finished request is offered to the
+tap); blocks alternate ABBA, and the ratio of block times, tap on / off, comes with a bootstrap interval over the
+pairs. The serving benchmark
 (`configs/smollm2-135m/benchmark_serving-tap.yaml`) measures the same through two deployments, which differ by
 more than the tap: this separates the two.
 """
