@@ -182,13 +182,24 @@ def adapt_config(out: Path, validation_prompts: int, replay: str | None = None) 
 REGISTERED = "smollm2-135m-drafter"  # configs/smollm2-135m/adapt.yaml's registered_model
 
 
+def read_result(path: Path) -> dict:
+    """An earlier run's result.json; an AerieError naming it when it is not a JSON object."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise AerieError(f"{path} is unreadable ({type(err).__name__}): move it away to start afresh") from None
+    if not isinstance(kept, dict):
+        raise AerieError(f"{path} is not a result of this demo: move it away to start afresh")
+    return kept
+
+
 def next_round(out: Path) -> int:
     """The number of the round after the one recorded in `out`; an AerieError unless that one put a drafter in
     production (nothing to start from) or when it was a --poison run."""
     earlier = out / "result.json"
     if not earlier.is_file():
         raise AerieError(f"--next-round needs a finished round's {earlier}: run the demo once first")
-    kept = json.loads(earlier.read_text())
+    kept = read_result(earlier)
     decision = (((kept.get("adapt") or {}).get("deploy") or {}).get("decision")) or "none"
     if kept.get("poison") or decision != "promoted":
         raise AerieError(f"--next-round: the round in {earlier} put no drafter in production (deploy: {decision})")
@@ -215,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.resume:  # the earlier run's before and capture stand; jobs.adapt skips the stages it finished
         if not earlier.is_file() or not (out / "adapt" / "state.json").is_file():
             raise AerieError(f"--resume needs an earlier run's {earlier} and {out / 'adapt' / 'state.json'}")
-        kept = json.loads(earlier.read_text())
+        kept = read_result(earlier)
         if kept.get("poison") != args.poison:
             raise AerieError(f"--resume: {earlier} was {'' if kept.get('poison') else 'not '}a --poison run")
     round_no = next_round(out) if args.next_round else int((kept or {}).get("round", 1))

@@ -139,3 +139,17 @@ def test_a_next_round_needs_a_round_that_promoted_and_keeps_it(tmp_path, capsys)
     (tmp_path / "result.json").write_text(json.dumps({"poison": True, "adapt": {"deploy": {"decision": "promoted"}}}))
     assert main(["--next-round", "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "serve.log").exists() and (tmp_path / "result.json").is_file()  # nothing started, kept
+
+
+def test_a_damaged_earlier_result_is_one_line_for_next_round_and_resume(tmp_path, capsys):
+    from orchestrator.adapt_demo import main
+
+    (tmp_path / "adapt").mkdir()
+    (tmp_path / "adapt" / "state.json").write_text("{}")
+    for text in ("{not json", "[1, 2]"):
+        (tmp_path / "result.json").write_text(text)
+        for flag in ("--next-round", "--resume"):
+            assert main([flag, "--out", str(tmp_path)]) == 2
+            err = capsys.readouterr().err
+            assert "result.json is" in err and "start afresh" in err and err.count("\n") == 1
+    assert (tmp_path / "result.json").read_text() == "[1, 2]" and not (tmp_path / "serve.log").exists()
