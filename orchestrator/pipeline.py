@@ -93,6 +93,13 @@ class GateConfig(StrictModel):
         ["mtbench"], description="sets where the candidate's tau may not fall below production's minus tolerance"
     )
     tolerance: float = Field(0.0, ge=0, description="on the hold sets: pass if tau >= production's minus this")
+    level: float = Field(
+        0.95,
+        gt=0,
+        lt=1,
+        description="the candidate beats production when the paired interval of their tau ratio on `beat` (bootstrap "
+        "over prompts, at this confidence) lies above 1",
+    )
 
 
 class DeployStage(StageFile):
@@ -619,9 +626,22 @@ class Pipeline:
             raise AerieError(f"gate set {set_name!r} was not evaluated: {list(method['sets'])}")
         return method["sets"][set_name]["acceptance_length"]
 
+    def beat_ratio(self, evaluation: dict, candidate: str, production: str) -> dict:
+        """tau(candidate) / tau(production) on gate.beat under gate.method, with its paired bootstrap interval over
+        the set's prompts at gate.level (stats.tau_ratio)."""
+        from orchestrator.evaluation.evaluate import per_prompt, set_rows
+        from orchestrator.stats import tau_ratio
+
+        g = self.cfg.gate
+        rows = set_rows(evaluation)[g.beat]
+        ours, theirs = (per_prompt(evaluation, n, g.method, rows) for n in (candidate, production))
+        r = tau_ratio(ours, theirs, level=g.level)
+        return {"ratio": r["ratio"], "ratio_interval": r["ratio_interval"], "level": g.level, "prompts": len(rows)}
+
     def gate(self, trained: dict, evaluation: dict, collection: Collection) -> dict:
         """The candidate (the first variant) against production (the registered version, else its base drafter):
-        it must beat production on gate.beat (the new data's held-out split) and hold on gate.hold (MT-Bench)."""
+        it must beat production on gate.beat (the new data's held-out split: the paired interval of their tau
+        ratio above 1) and hold on gate.hold (MT-Bench: tau at least production's minus gate.tolerance)."""
         g = self.cfg.gate
         candidate = self.cfg.train.variants[0]
         in_production = self.production()  # a version (maybe one of this pipeline's), or the base drafter
@@ -632,10 +652,15 @@ class Pipeline:
             passed, failed = True, []
             reason = f"nothing in production; candidate tau {ours[g.beat]:.3f} on {g.beat} ({g.method})"
         else:
-            failed = [] if ours[g.beat] > theirs[g.beat] else [g.beat]
+            ratio = self.beat_ratio(evaluation, candidate, name)
+            failed = [] if ratio["ratio_interval"][0] > 1 else [g.beat]
             failed += [s for s in g.hold if ours[s] < theirs[s] - g.tolerance]
             passed = not failed
-            said = [f"{g.beat} {ours[g.beat]:.3f} vs {theirs[g.beat]:.3f} (must beat)"]
+            low, high = ratio["ratio_interval"]
+            said = [
+                f"{g.beat} {ours[g.beat]:.3f} vs {theirs[g.beat]:.3f}, ratio {ratio['ratio']:.3f} "
+                f"[{low:.3f}, {high:.3f}] (must beat: the {g.level:.0%} interval above 1)"
+            ]
             said += [f"{s} {ours[s]:.3f} vs {theirs[s]:.3f} - {g.tolerance} (must hold)" for s in g.hold]
             reason = f"candidate vs production {in_production}, {g.method}: " + "; ".join(said)
             if failed:
@@ -645,6 +670,7 @@ class Pipeline:
             "production": in_production,
             "candidate_tau": ours,
             "production_tau": theirs,
+            "beat_ratio": ratio if theirs is not None else None,
             "passed": passed,
             "reason": reason,
         }

@@ -181,9 +181,23 @@ def test_every_embedded_default_config_validates(path, monkeypatch):
         Pipeline(cfg.model_copy(update={"output_dir": "/nonexistent"})).preflight()
 
 
-def _evaluated(tau: float, validation: float | None = None) -> dict:
-    sets = {"mtbench": {"acceptance_length": tau}, "validation": {"acceptance_length": validation or tau}}
-    return {"engine": {"chain-5": {"overall": {"acceptance_length": tau}, "sets": sets}, "draft_vocab_coverage": {}}}
+LABELS = [["validation", f"v{i}"] for i in range(20)] + [["mtbench", f"m{i}"] for i in range(20)]
+HARDNESS = [0.1 * (i % 5 - 2) for i in range(20)]  # prompts differ (the same for every drafter: paired)
+
+
+def _evaluated(tau: float, validation: float | list[float] | None = None) -> dict:
+    """An evaluation entry of one drafter: tau per prompt (20 validation, 20 MT-Bench prompts, 100 drafts each)."""
+    if not isinstance(validation, list):
+        validation = [(validation or tau) + h for h in HARDNESS]
+    taus = [*validation, *(tau + h for h in HARDNESS)]
+    rows = [[100, round(100 * (t - 1))] for t in taus]
+
+    def length(rs):
+        return 1 + sum(a for _, a in rs) / sum(d for d, _ in rs)
+
+    sets = {"validation": {"acceptance_length": length(rows[:20])}, "mtbench": {"acceptance_length": length(rows[20:])}}
+    method = {"overall": {"acceptance_length": length(rows)}, "sets": sets, "per_prompt": rows}
+    return {"engine": {"chain-5": method, "draft_vocab_coverage": {}}}
 
 
 def test_the_gate_compares_the_candidate_with_the_version_in_production(pipeline):
@@ -201,6 +215,7 @@ def test_the_gate_compares_the_candidate_with_the_version_in_production(pipeline
     }
     evaluation = {
         "mlflow_run_id": "eval",
+        "prompt_labels": LABELS,
         "drafters": {
             "eagle3.1": {"source": "models:/r/2", **_evaluated(1.5)},
             "eagle3": {"source": "models:/r/1", **_evaluated(1.6)},
@@ -224,6 +239,8 @@ def test_the_gate_compares_the_candidate_with_the_version_in_production(pipeline
         (1.9, 1.5, True, None),  # beats it on the new data, holds on MT-Bench
         (1.7, 1.5, False, "validation"),  # equal on the new data is not better
         (1.9, 1.49, False, "mtbench"),  # better on the new data, worse on MT-Bench
+        # better on average (1.75 vs 1.7), by chance: much better on some prompts, worse on the others
+        ([1.7 + (0.6 if i % 2 else -0.5) + h for i, h in enumerate(HARDNESS)], 1.5, False, "validation"),
     ],
 )
 def test_a_fine_tuned_candidate_must_beat_its_base_on_new_data_and_hold_on_mtbench(
@@ -237,6 +254,7 @@ def test_a_fine_tuned_candidate_must_beat_its_base_on_new_data_and_hold_on_mtben
     trained = {"eagle3.1": {"registered": "models:/r/1", "mlflow_run_id": "train-1"}}
     evaluation = {
         "mlflow_run_id": "eval",
+        "prompt_labels": LABELS,
         "drafters": {
             "production": {"source": "drafters/base", **_evaluated(1.5, validation=1.7)},
             "eagle3.1": {"source": "models:/r/1", **_evaluated(mtbench, validation=validation)},
@@ -244,7 +262,10 @@ def test_a_fine_tuned_candidate_must_beat_its_base_on_new_data_and_hold_on_mtben
     }
     gate = pipeline.gate(trained, evaluation, Collection(False, "sha", "data", "sha", "c"))
     assert gate["production"] == "drafters/base" and gate["passed"] == passed
-    assert gate["production_tau"] == {"validation": 1.7, "mtbench": 1.5}
+    assert gate["production_tau"] == pytest.approx({"validation": 1.7, "mtbench": 1.5})
+    ratio = gate["beat_ratio"]
+    assert ratio["prompts"] == 20 and ratio["ratio_interval"][0] <= ratio["ratio"] <= ratio["ratio_interval"][1]
+    assert (ratio["ratio_interval"][0] > 1) == (failed_on != "validation") and "interval above 1" in gate["reason"]
     assert (f"failed on {failed_on}" in gate["reason"]) if failed_on else ("failed" not in gate["reason"])
 
 

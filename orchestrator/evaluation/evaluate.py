@@ -231,27 +231,39 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def compare(result: dict) -> dict:
-    """Per method and set ('all', each set, and MT-Bench's categories as mtbench/CATEGORY): every drafter's tau
-    with its 95% bootstrap interval over prompts,
-    and its ratio to the first drafter (the baseline) with the paired interval (the same prompt draws for both;
-    stats.tau_ratio with one seed). {method: {set: {drafter: {"tau", "interval", "ratio", "ratio_interval"}}}}"""
-    import numpy as np
-
+def set_rows(result: dict) -> dict[str, list[int]]:
+    """The prompts (row numbers) of each set a result compares on: 'all', each set, and MT-Bench's categories as
+    mtbench/CATEGORY."""
     sets = [s for s, _ in result["prompt_labels"]]
     categories = result.get("prompt_categories") or [""] * len(sets)
     groups = {name: [i for i, s in enumerate(sets) if name in ("all", s)] for name in ["all", *dict.fromkeys(sets)]}
     for c in dict.fromkeys(c for c in categories if c):  # MT-Bench by category: set/category
         groups[f"{sets[categories.index(c)]}/{c}"] = [i for i, x in enumerate(categories) if x == c]
+    return groups
+
+
+def per_prompt(result: dict, drafter: str, method: str, rows: list[int]):
+    """A drafter's (drafted rounds, accepted drafts) per prompt of `rows` under `method`, as tau_ratio takes them
+    ([1 seed, prompts, 2])."""
+    import numpy as np
+
+    return np.asarray(result["drafters"][drafter]["engine"][method]["per_prompt"], dtype=float)[rows][None]
+
+
+def compare(result: dict) -> dict:
+    """Per method and set ('all', each set, and MT-Bench's categories as mtbench/CATEGORY): every drafter's tau
+    with its 95% bootstrap interval over prompts,
+    and its ratio to the first drafter (the baseline) with the paired interval (the same prompt draws for both;
+    stats.tau_ratio with one seed). {method: {set: {drafter: {"tau", "interval", "ratio", "ratio_interval"}}}}"""
+    groups = set_rows(result)
     names = list(result["drafters"])
     methods = [m for m in result["drafters"][names[0]]["engine"] if m != "draft_vocab_coverage"]
     out: dict = {}
     for method in methods:
-        per = {n: np.asarray(result["drafters"][n]["engine"][method]["per_prompt"], dtype=float) for n in names}
         for set_name, rows in groups.items():
             cells = {}
             for n in names:
-                r = tau_ratio(per[n][rows][None], per[names[0]][rows][None])
+                r = tau_ratio(per_prompt(result, n, method, rows), per_prompt(result, names[0], method, rows))
                 cells[n] = {"tau": r["tau_a"], "interval": r["tau_a_interval"]}
                 if n != names[0]:
                     cells[n].update(ratio=r["ratio"], ratio_interval=r["ratio_interval"])

@@ -181,11 +181,20 @@ class Meter:
         self.budget_tokens, self.export = budget_tokens, export
         self.totals: dict[str, float] = dict.fromkeys(TOTALS, 0.0)
         self.acceptance = Acceptance()
+        self.measured = Acceptance()  # measurement rounds' only (SpecScheduler.measure): whole trees
 
     def verify_round(
-        self, drafted: list[int], accepted: list[int], verified: int, latency: float, compute_s: float, pairs: int
+        self,
+        drafted: list[int],
+        accepted: list[int],
+        verified: int,
+        latency: float,
+        compute_s: float,
+        pairs: int,
+        measuring: bool = False,
     ) -> None:
-        """One verification round: per request, draft tokens verified and accepted."""
+        """One verification round: per request, draft tokens verified and accepted; `measuring`: a measurement
+        round's (its whole trees count in `measured` too)."""
         t = self.totals
         t["rounds"] += 1
         t["spec_rounds"] += 1 if sum(drafted) else 0
@@ -198,6 +207,8 @@ class Meter:
         t["pairs_bytes"] += pairs
         for d, a in zip(drafted, accepted, strict=True):
             self.acceptance.record(d, a)
+            if measuring:
+                self.measured.record(d, a)
         if self.export is not None:
             self.export.round(len(drafted), verified, self.budget_tokens, drafted, accepted)
             self.export.verify_latency.observe(latency)

@@ -87,12 +87,14 @@ class BudgetPolicy:
         self.cost = self.cost or LinearCost()
 
     def allocate(
-        self, sketches: list[tuple[torch.Tensor, torch.Tensor]], overhead_s: float = 0.0
+        self, sketches: list[tuple[torch.Tensor, torch.Tensor]], overhead_s: float = 0.0, whole: bool = False
     ) -> tuple[list[list[int]], float]:
         """sketches: (parents [n], scores [n]) per request. Returns the nodes to verify per request (ascending)
-        and the expected number of accepted draft tokens."""
+        and the expected number of accepted draft tokens. `whole` (or adaptive off): every node of every tree,
+        up to max_nodes_per_request, whatever the budget and the cost model say."""
         n = len(sketches)
-        room = max(0, self.budget_tokens - n) if self.adaptive else n * self.max_nodes_per_request
+        trim = self.adaptive and not whole
+        room = max(0, self.budget_tokens - n) if trim else n * self.max_nodes_per_request
         order = BestFirst([(parents.tolist(), scores.tolist()) for parents, scores in sketches])
         chosen: list[list[int]] = [[] for _ in sketches]
         expected, taken = 0.0, 0
@@ -103,7 +105,7 @@ class BudgetPolicy:
                 continue  # this request is full: its other nodes stay out
             p = min(1.0, self.calibration * math.exp(order.scores[r][node]))
             rate = self._rate(n, expected + p, taken + 1, overhead_s)
-            if taken and best_rate is not None and rate is not None and rate <= best_rate:
+            if trim and taken and best_rate is not None and rate is not None and rate <= best_rate:
                 break  # the next node no longer pays for its verification (the first always goes: module docstring)
             best_rate = rate
             order.take(r, node)

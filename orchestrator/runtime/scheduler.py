@@ -149,13 +149,15 @@ class _Group:
 
 @dataclass
 class Measuring:
-    """Drafting for measurement (a rollout's canary window): until `until`, at least `share` of the rounds draft,
-    whatever the mode chooser says, so both drafters are compared on evidence at a bounded cost."""
+    """Drafting for measurement (a rollout's canary window): until `until`, `share` of the rounds are measurement
+    rounds, whatever the mode chooser says. A measurement round drafts and verifies every request's whole tree
+    (the configured shape, not the budget policy's trim) and counts in the scheduler's `measured` acceptance, so
+    two backends, whatever their policies learned, are compared on drafts of the same size, at a bounded cost."""
 
     share: float
     until: float
     rounds: int = 0
-    drafted: int = 0
+    measured: int = 0
 
 
 @dataclass
@@ -326,9 +328,11 @@ class SpecScheduler:
         m = self.measuring
         if m is not None and self.clock() > m.until:
             self.measuring = m = None
+        measuring = False
         if m is not None:
             m.rounds += 1
-            if not want and m.drafted < m.share * m.rounds:
+            measuring = m.measured < m.share * m.rounds
+            if measuring and not want:
                 want, why = True, "measuring"
         catch_up = False
         if self.draft_alive and draftable and want:
@@ -338,8 +342,9 @@ class SpecScheduler:
             drafted = await self._draft(g)
             if drafted is not None:
                 self.meter.drafted(why, catch_up)
-                if m is not None:
-                    m.drafted += 1
+        measuring = measuring and drafted is not None
+        if measuring:
+            m.measured += 1
         sketches = drafted.sketches if drafted is not None else {}
         ids = [rid for rid in ids if rid in group.requests]  # requests that ended meanwhile are not verified
         if not ids:
@@ -348,7 +353,7 @@ class SpecScheduler:
         have = [rid for rid in ids if rid in sketches]
         if have:
             overhead = 0.0 if len(self.groups) > 1 else self._draft_ema  # pipelined: drafting is hidden
-            chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead)
+            chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead, whole=measuring)
             keep.update(zip(have, chosen, strict=True))
         began = self.clock()
         self.meter.transfer("draft_to_target", drafted.trees_bytes if drafted is not None else 0)
@@ -363,12 +368,12 @@ class SpecScheduler:
         accepted = sum(u.accepted for u in out.updates)
         self.policy.observe(len(ids), out.verified_tokens, out.compute_s, predicted, accepted)
         with_draft = drafted is not None
-        if self.cfg.adaptive:
+        if self.cfg.adaptive and not measuring:  # whole trees are not what the mode chooser would draft
             emitted = sum(len(u.tokens) for u in out.updates)
             catch_up = with_draft and catch_up
             group.modes.observe(with_draft, len(ids), emitted, self.clock() - round_began, catch_up=catch_up)
         group.drafter_current = with_draft or self._stream(g)
-        self._account(out, latency)
+        self._account(out, latency, measuring)
         self._deliver(out)
 
     async def _draft(self, g: int) -> Drafted | None:
@@ -500,10 +505,12 @@ class SpecScheduler:
                 if u.finish_reason is not None:
                     self._end(r, Event(finish_reason=u.finish_reason), released=True)
 
-    def _account(self, out: RoundOutput, latency: float) -> None:
+    def _account(self, out: RoundOutput, latency: float, measuring: bool = False) -> None:
         drafted = [u.drafted for u in out.updates if u.error is None]
         accepted = [u.accepted for u in out.updates if u.error is None]
-        self.meter.verify_round(drafted, accepted, out.verified_tokens, latency, out.compute_s, out.pairs_bytes)
+        self.meter.verify_round(
+            drafted, accepted, out.verified_tokens, latency, out.compute_s, out.pairs_bytes, measuring
+        )
 
     def _requeue(self, rs: list[Request]) -> None:
         """Back to the front of the queue (nothing of them reached a client or is held by the target)."""
@@ -657,6 +664,7 @@ class SpecScheduler:
             **totals,
             "acceptance": acceptance.to_dict(),
             "acceptance_length": acceptance.acceptance_length,
+            "acceptance_measured": self.meter.measured.to_dict(),  # measurement rounds' whole trees (a canary's)
             "draft_alive": self.draft_alive,
             "calibration": self.policy.calibration,
             "cost": self.policy.cost.coefficients(),

@@ -1,7 +1,8 @@
 """The backends' acceptance counters, read as a rollout watches them.
 
 Acceptance length is vLLM's: 1 + accepted draft tokens / drafted request-steps. The disaggregated backend
-reports its counters on `/stats` (one replica answers each read); the vLLM backend's engines export
+reports its counters on `/stats` (one replica answers each read; a canary compares its measurement rounds' whole
+trees, `acceptance_measured`); the vLLM backend's engines export
 `vllm:spec_decode_num_drafts` and `vllm:spec_decode_num_accepted_tokens` to Ray's Prometheus endpoints, per
 replica. `CounterWindow` turns cumulative reads per replica into acceptance over a window.
 """
@@ -12,6 +13,7 @@ import json
 import re
 import urllib.request
 
+from orchestrator.errors import AerieError
 from orchestrator.serving.backends import BACKENDS, backend_of
 from orchestrator.spec.acceptance import Acceptance
 
@@ -24,10 +26,13 @@ def get_json(url: str, timeout: float = 10) -> dict:
 
 
 def stats_counters(base: str) -> dict[str, Acceptance]:
-    """A disaggregated backend's acceptance counters from its /stats: {replica id: counters} of the one replica
-    that answered (Serve picks one per request; `CounterWindow` keeps each replica's series)."""
+    """A disaggregated backend's measurement-round acceptance counters from its /stats (whole trees: what a canary
+    compares, `SpecScheduler.measure`): {replica id: counters} of the one replica that answered (Serve picks one
+    per request; `CounterWindow` keeps each replica's series)."""
     stats = get_json(f"{base}/stats")
-    return {stats.get("replica", ""): Acceptance.from_dict(stats["acceptance"])}
+    if "acceptance_measured" not in stats:
+        raise AerieError(f"{base}/stats has no acceptance_measured: a server older than this rollout; redeploy it")
+    return {stats.get("replica", ""): Acceptance.from_dict(stats["acceptance_measured"])}
 
 
 _VLLM = {

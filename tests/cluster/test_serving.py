@@ -224,6 +224,7 @@ def test_target_node_killed(netcluster, served):
         wait_for(lambda: len(load.records) >= 2, 120, "requests served before the fault")
         killed = time.monotonic()
         processes = netcluster.kill("target")
+        gone = time.monotonic() + 0.5  # the kill returned; what the router had already relayed has reached us
         time.sleep(10)
         netcluster.add_node("target", RESOURCES["target"])
         joined = time.monotonic()
@@ -234,15 +235,19 @@ def test_target_node_killed(netcluster, served):
         )
     finally:
         records = load.stop()
-    in_flight = [r for r in records if r["sent"] < killed < r["ended"]]
+    # In flight: sent before the kill and still streaming once every process was gone. One that ended between the
+    # two had its last tokens made before its process died and relayed after (seen in CI: it succeeded, 2 vs 1).
+    in_flight = [r for r in records if r["sent"] < killed and r["ended"] > gone]
     out = summary(records, killed) | {
         "processes_killed": processes,
         "in_flight_at_kill": len(in_flight),
         "in_flight_failed": sum("error" in r for r in in_flight),
+        "served_with_no_target": sum(gone < r["ended"] < joined and "error" not in r for r in records),
         "served_after_replacement_s": round(served_again - joined, 1),
     }
     print("target node killed:", out)
     assert out["in_flight_failed"] == out["in_flight_at_kill"] > 0, out
+    assert out["served_with_no_target"] == 0, out
     assert out["longest_s"] <= 300 + 30, out  # request_timeout_s (app_args), and the client's own read
 
 

@@ -379,6 +379,38 @@ def test_measuring_drafts_a_bounded_share_of_rounds_the_mode_chooser_would_not()
     assert t["draft_calls"] - 2 <= t["catch_ups"] <= t["draft_calls"]
 
 
+def test_measurement_rounds_verify_whole_trees_whatever_the_budget_policy_trims():
+    """A canary compares two backends whose budget policies learned differently (one trims to a node a draft,
+    one verifies 8): its measurement rounds verify every request's whole tree and count apart
+    (`acceptance_measured`), so both sides' drafts have the configured size. The mode chooser learns nothing
+    from them (whole trees are not what it would draft)."""
+    h = build(max_batch=2, micro_batches=1, adaptive=True, context=400, max_nodes=4)
+    modes = h.scheduler.groups[0].modes
+    modes.choose, observed = (lambda n: True), []
+    modes.observe = lambda *a, **kw: observed.append(a)
+    h.scheduler.policy.budget_tokens = 2  # one request: room for one draft node a round
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+
+    async def body(h):
+        h.scheduler.measure(0.5, 1e9)
+        r = h.scheduler.submit([1, 2, 3], params)
+        await read(h, r)
+        assert tokens_of(h.seen[r.id]) == reference([1, 2, 3], params)
+
+    run(h, body)
+    every, measured = h.scheduler.meter.acceptance, h.scheduler.meter.measured
+    trimmed = every - measured
+    stats = h.scheduler.stats()
+    assert stats["acceptance_measured"] == measured.to_dict()
+    assert measured.drafts > 10 and abs(measured.drafts - trimmed.drafts) <= 1  # half the rounds each
+    assert trimmed.draft_tokens == trimmed.drafts  # the policy's one node
+    # whole trees: 4 nodes a draft but where max_tokens caps the tree (its last rounds)
+    assert measured.draft_tokens >= 4 * (measured.drafts - 3) and max(measured.accepted_per_pos, default=0) > 0
+    rounds, window = h.scheduler.meter.totals["rounds"], h.scheduler.measuring
+    assert window.rounds == rounds and window.measured - measured.drafts in (0, 1)  # the last: max_tokens, no node
+    assert len(observed) == rounds - window.measured  # measurement rounds are not the mode chooser's to learn from
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_streamed_states_spare_the_catch_up_when_drafting_resumes(stream):
     """`stream_states`: target-only rounds still send their states to the drafter (no nodes, not awaited), so a
