@@ -68,18 +68,41 @@ def _wait_ready(server: subprocess.Popen, headers: dict, timeout_s: float = 900)
     raise AerieError(f"the server was not ready after {timeout_s:.0f} s")
 
 
+MEASURE_SHARE = 0.5  # the before and after loads' measurement rounds (as a canary's: rollout measure_share)
+
+
+def _measuring(headers: dict, share: float, seconds: float) -> None:
+    """Every backend the router routes to drafts `share` of its rounds as whole trees for `seconds`
+    (SpecScheduler.measure): live acceptance before and after compared on drafts of one size, whatever each
+    backend's budget policy learned to trim."""
+    import httpx
+
+    from orchestrator.serving.router import BACKEND_PREFIX
+
+    for route in _get("/router/status", headers)["routes"]:
+        body = {"share": share, "seconds": seconds}
+        url = f"{URL}{BACKEND_PREFIX}/{route['app']}/measure"
+        httpx.post(url, json=body, headers=headers, timeout=60).raise_for_status()
+
+
 def measure(prompts: list[dict], users: int, seconds: float, headers: dict, max_tokens: int, once: bool) -> dict:
-    """Steady load: its summary and what the scheduler did meanwhile (live acceptance, drafted share)."""
+    """Steady load: its summary and what the scheduler did meanwhile (live acceptance, drafted share). A timed
+    load (not `once`) measures: `measured` is its measurement rounds' acceptance (`_measuring`)."""
     from orchestrator.benchmarks.load import steady_load
     from orchestrator.benchmarks.serving import scheduler_delta
 
+    if not once:
+        _measuring(headers, MEASURE_SHARE, seconds + 60)
     before = _get("/stats", headers)
     load = asyncio.run(steady_load(URL, prompts, users, seconds, max_tokens, headers, once=once, ignore_eos=False))
     sched = scheduler_delta(before, _get("/stats", headers))
+    if not once:
+        _measuring(headers, 0.0, 0.0)
     return {
         "load": load,
         "acceptance_length": sched["acceptance_length"],
         "acceptance": sched["acceptance"],
+        "measured": sched["acceptance_measured"],
         "spec_round_share": sched["spec_round_share"],
         "drafted_by": sched["drafted_by"],
     }
@@ -333,17 +356,23 @@ def _adapt_summary(path: Path) -> dict:
 
 def live_change(before: dict | None, after: dict | None, level: float = 0.95) -> dict | None:
     """Live acceptance after - before, with its interval (the canary's test: drafts as independent units, so
-    the interval is narrower than it should be when the loads hold few requests); None without both counters."""
+    the interval is narrower than it should be when the loads hold few requests): over the measurement rounds'
+    whole trees where both loads have them (`counted`: "measured"), else over every draft; None without drafts
+    on both sides."""
     from orchestrator.serving.canary import acceptance_difference, acceptance_interval
     from orchestrator.spec.acceptance import Acceptance
 
-    if not (before or {}).get("acceptance") or not (after or {}).get("acceptance"):
+    def counters(key: str) -> tuple[Acceptance, Acceptance] | None:
+        b, a = (Acceptance.from_dict(d[key]) if (d or {}).get(key) else Acceptance() for d in (before, after))
+        return (b, a) if a.drafts and b.drafts else None
+
+    counted = "measured" if counters("measured") else "every draft"
+    if (pair := counters("measured") or counters("acceptance")) is None:
         return None
-    b, a = Acceptance.from_dict(before["acceptance"]), Acceptance.from_dict(after["acceptance"])
-    if not (a.drafts and b.drafts):
-        return None
+    b, a = pair
     diff, low, high = acceptance_difference(b, a, level)
     return {
+        "counted": counted,
         "before": [b.acceptance_length, *acceptance_interval(b, level)],
         "after": [a.acceptance_length, *acceptance_interval(a, level)],
         "difference": [diff, low, high],
@@ -353,13 +382,17 @@ def live_change(before: dict | None, after: dict | None, level: float = 0.95) ->
 
 
 def report(r: dict) -> str:
+    from orchestrator.spec.acceptance import Acceptance
+
     def live(phase: str) -> str:
         p = r.get(phase)
         if not p:
             return "-"
         load = p["load"]
+        whole = Acceptance.from_dict(p["measured"]) if p.get("measured") else Acceptance()
+        measured = f", whole trees {whole.acceptance_length:.3f}" if whole.drafts else ""
         return (
-            f"{p['acceptance_length']:.3f} (drafted {100 * p['spec_round_share']:.0f}% of rounds; "
+            f"{p['acceptance_length']:.3f}{measured} (drafted {100 * p['spec_round_share']:.0f}% of rounds; "
             f"{load['requests']} requests, {load['failed']} failed, {load['per_user_tok_s']} tok/s per user)"
         )
 
@@ -379,7 +412,7 @@ def report(r: dict) -> str:
         lines.append(
             f"- live acceptance before {b:.3f} [{bl:.3f}, {bh:.3f}], after {a:.3f} [{al:.3f}, {ah:.3f}]: "
             f"{d:+.3f} [{dl:+.3f}, {dh:+.3f}] ({100 * change['level']:.0f}%; {change['drafts'][0]} and "
-            f"{change['drafts'][1]} drafts)"
+            f"{change['drafts'][1]} drafts, {change.get('counted', 'every draft')})"
         )
     for i, earlier in enumerate(r.get("runs", []), 1):
         reason = ((earlier.get("adapt") or {}).get("deploy") or {}).get("reason") or "-"

@@ -102,7 +102,12 @@ def test_live_acceptance_before_and_after_comes_with_intervals_that_cover_the_tr
             "live_change": live_change(load(0.3, 50, rng), load(0.5, 50, rng)),
         }
     )
-    assert "- live acceptance before 1." in text and "(95%; 50 and 50 drafts)" in text
+    assert "- live acceptance before 1." in text and "(95%; 50 and 50 drafts, every draft)" in text
+    # where both loads have measurement rounds (whole trees), those are compared, not every draft
+    measured = [dict(load(0.3, 300, rng), measured=load(p, 40, rng)["acceptance"]) for p in (0.2, 0.6)]
+    change = live_change(*measured)
+    assert change["counted"] == "measured" and change["drafts"] == [40, 40] and change["difference"][1] > 0
+    assert live_change(measured[0], load(0.3, 300, rng))["counted"] == "every draft"
 
 
 def test_a_next_round_asks_the_same_problems_anew_and_the_first_asks_as_humaneval_prompts_do():

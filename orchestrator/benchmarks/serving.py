@@ -252,6 +252,11 @@ def scheduler_delta(before: dict, after: dict) -> dict:
         "verified_tokens_per_round": d.get("verified_tokens", 0) / rounds,
         "acceptance_length": acceptance.acceptance_length,
         "acceptance": acceptance.to_dict(),  # the counters: intervals, comparisons (serving.canary)
+        "acceptance_measured": (  # measurement rounds' whole trees (SpecScheduler.measure), where both have them
+            Acceptance.from_dict(after["acceptance_measured"]) - Acceptance.from_dict(before["acceptance_measured"])
+        ).to_dict()
+        if "acceptance_measured" in after and "acceptance_measured" in before
+        else None,
         "drafted_share": acceptance.drafts / max(1, d.get("batch", 0)),
         "acceptance_rate": acceptance.accepted / max(1, acceptance.draft_tokens),
         "target_to_draft_bytes_per_round": d.get("target_to_draft_bytes", 0) / rounds,
