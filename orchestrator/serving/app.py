@@ -318,7 +318,8 @@ class SpecServer:
 
     @api.post("/measure")
     async def measure(self, request: Request):
-        """A rollout's canary window: draft at least `share` of the rounds for `seconds` (SpecScheduler.measure)."""
+        """A rollout's canary window: `share` of the rounds for `seconds` are measurement rounds, whole trees
+        counted in /stats' acceptance_measured (SpecScheduler.measure)."""
         try:
             body = await request.json()
             share, seconds = float(body["share"]), float(body["seconds"])

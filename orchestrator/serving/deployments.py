@@ -148,8 +148,9 @@ class ServeDeployments:
         return running_import_path(app)
 
     def measure(self, app: str, import_path: str, share: float, seconds: float) -> None:
-        """Ask a disaggregated backend to draft at least `share` of its rounds for `seconds` (vLLM drafts every
-        step anyway). Best effort: a backend that does not answer is named in an event, the watch goes on."""
+        """Ask a disaggregated backend to make `share` of its rounds measurement rounds (whole trees) for `seconds`
+        (vLLM drafts and verifies its whole chain every step anyway). Best effort: a backend that does not answer
+        is named in an event, the watch goes on."""
         if backend_of(import_path) != "disaggregated":
             return
         import urllib.request

@@ -74,10 +74,11 @@ class DeployConfig(StrictModel):
     )
     measure_share: float = Field(
         0.5,
-        ge=0,
+        gt=0,
         le=1,
-        description="during the canary window both disaggregated backends draft at least this share of rounds "
-        "(their mode choosers may have turned drafting off): evidence for the decision at a bounded cost; 0: off",
+        description="during the canary window this share of both disaggregated backends' rounds are measurement "
+        "rounds: drafted whatever the mode chooser says, every request's whole tree verified, and only those "
+        "compared (drafts of one size on both sides, at a bounded cost)",
     )
     alpha: float = Field(
         0.05, gt=0, lt=0.5, description="chance of a wrong decision the test allows, all looks together"
