@@ -73,6 +73,7 @@ LAYERS: list[tuple[str, str, list[str]]] = [
             "orchestrator.demo",
             "orchestrator.cluster_demo",
             "orchestrator.adapt_demo",
+            "orchestrator.canary_demo",
             "orchestrator.cli",
             "orchestrator.jobrunner",
             "orchestrator.vllm_plugin",

@@ -1,5 +1,8 @@
 """`make adapt-demo`'s pieces that need no server (the demo itself runs ~30 minutes: docs/drafters/adapting.md)."""
 
+import json
+from pathlib import Path
+
 from jobs.adapt import AdaptConfig
 from orchestrator.adapt_demo import adapt_config, noise_prompts, report
 from orchestrator.config import load_config
@@ -158,3 +161,23 @@ def test_a_damaged_earlier_result_is_one_line_for_next_round_and_resume(tmp_path
             err = capsys.readouterr().err
             assert "result.json is" in err and "start afresh" in err and err.count("\n") == 1
     assert (tmp_path / "result.json").read_text() == "[1, 2]" and not (tmp_path / "serve.log").exists()
+
+
+def test_the_canary_demo_summarizes_a_record_with_both_sides_draft_sizes():
+    """The poisoned round's kept canary record (old servers compared trimmed with whole trees): the summary shows
+    the skew that measurement rounds remove."""
+    from orchestrator.canary_demo import rollout_summary
+
+    record = json.loads((Path(__file__).parents[1] / "docs/operating/canary-poison-2026-12-05.json").read_text())
+    s = rollout_summary(record)
+    assert s["decision"] == "promoted" and s["test"]["canary_drafts"] == s["canary"]["drafts"] == 101
+    assert (
+        round(s["stable"]["draft_tokens_per_draft"], 2) == 1.05
+        and round(s["canary"]["draft_tokens_per_draft"], 1) == 7.8
+    )
+    assert rollout_summary({})["canary"] == {
+        "app": None,
+        "drafts": 0,
+        "acceptance_length": 1.0,
+        "draft_tokens_per_draft": None,
+    }
