@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -50,6 +51,31 @@ def _get(path: str, headers: dict) -> dict:
     import httpx
 
     return httpx.get(f"{URL}{path}", headers=headers, timeout=60).json()
+
+
+@contextlib.contextmanager
+def serving(log_path: Path, env: dict, headers: dict, overrides: list[str]):
+    """`aerie serve` of configs/smollm2-135m/serve.yaml with `overrides`, from the repository, its output in
+    `log_path`: ready (answering /v1/models with `headers`) inside the block, stopped (SIGINT, then SIGKILL) after."""
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "serve", "--config", "configs/smollm2-135m/serve.yaml"]
+            + overrides,
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            _wait_ready(server, headers)
+            yield server
+        finally:
+            os.killpg(server.pid, signal.SIGINT)
+            try:
+                server.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
 
 
 def _wait_ready(server: subprocess.Popen, headers: dict, timeout_s: float = 900) -> None:
@@ -280,19 +306,9 @@ def run(args: argparse.Namespace) -> dict:
         tap += [f"drafter=models:/{REGISTERED}@production", f"mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}"]
     if args.next_round:  # the earlier round's result is kept beside
         earlier.rename(out / f"round-{round_no - 1}.json")
-    log = open(out / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "serve", "--config", "configs/smollm2-135m/serve.yaml", *tap],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     failed = 0
-    try:
-        print("[adapt-demo] starting the server (the tap on)", flush=True)
-        _wait_ready(server, headers)
+    print("[adapt-demo] starting the server (the tap on)", flush=True)
+    with serving(out / "serve.log", env, headers, tap):
         began = time.monotonic()
         if not args.resume:
             print(f"[adapt-demo] before: {len(unseen)} unseen problems, {args.users} users, not captured", flush=True)
@@ -317,13 +333,6 @@ def run(args: argparse.Namespace) -> dict:
         result["after"] = measure(unseen, args.users, args.measure_s, quiet, args.max_tokens, once=False)
         print(f"[adapt-demo]   live acceptance {result['after']['acceptance_length']:.3f}", flush=True)
         result["minutes"] = (time.monotonic() - began) / 60
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
     for phase in ("before", "capture", "after"):
         if phase in result:
             failed += result[phase]["load"]["failed"]

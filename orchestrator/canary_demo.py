@@ -17,13 +17,12 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from orchestrator.adapt_demo import REPO, Background, _wait_ready
+from orchestrator.adapt_demo import REPO, Background, serving
 from orchestrator.errors import AerieError, exit_status
 
 
@@ -45,6 +44,16 @@ def rollout_summary(record: dict) -> dict:
     return {"decision": record.get("decision"), "reason": record.get("reason"), "test": record.get("test"), **sides}
 
 
+def deploy(drafter: str, dest: Path, env: dict, args: argparse.Namespace) -> dict:
+    """`python -m jobs.deploy` of `drafter` to the served model, its record under `dest`: its exit status and
+    `rollout_summary`."""
+    cmd = [sys.executable, "-m", "jobs.deploy", "--config", "configs/smollm2-135m/deploy.yaml", f"drafter={drafter}"]
+    cmd += [f"window_s={args.window_s}", f"min_drafts={args.min_drafts}", f"output_dir={dest}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)
+    records = sorted(dest.glob("*/record.json"))
+    return {"exit": proc.returncode, **(rollout_summary(json.loads(records[-1].read_text())) if records else {})}
+
+
 def run(args: argparse.Namespace) -> dict:
     from orchestrator.data.prompts import humaneval_prompts
     from orchestrator.serving.app import CAPTURE_HEADER
@@ -59,50 +68,18 @@ def run(args: argparse.Namespace) -> dict:
     env = os.environ | {"AERIE_API_KEY": key}
     env.pop("AERIE_API_KEY_FILE", None)
     headers = {"Authorization": f"Bearer {key}"}
-    log = open(out / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "serve", "--config", "configs/smollm2-135m/serve.yaml"],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     result: dict = {"users": args.users, "window_s": args.window_s, "min_drafts": args.min_drafts, "rollouts": []}
-    try:
-        print("[canary-demo] starting the server", flush=True)
-        _wait_ready(server, headers)
+    print("[canary-demo] starting the server", flush=True)
+    with serving(out / "serve.log", env, headers, []):
         load = Background(unseen, args.users, headers | {CAPTURE_HEADER: "off"}, args.max_tokens)
         try:
             time.sleep(20)  # the load running before the first canary
             for i, drafter in enumerate(args.drafters, 1):
                 print(f"[canary-demo] rollout {i}: {drafter}", flush=True)
-                dest = out / f"rollout-{i}"
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "jobs.deploy",
-                    "--config",
-                    "configs/smollm2-135m/deploy.yaml",
-                    f"drafter={drafter}",
-                    f"window_s={args.window_s}",
-                    f"min_drafts={args.min_drafts}",
-                    f"output_dir={dest}",
-                ]
-                proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)
-                records = sorted(dest.glob("*/record.json"))
-                summary = rollout_summary(json.loads(records[-1].read_text())) if records else {}
-                result["rollouts"].append({"drafter": drafter, "exit": proc.returncode, **summary})
-                print(f"[canary-demo]   {summary.get('decision')}: {summary.get('reason')}", flush=True)
+                result["rollouts"].append({"drafter": drafter, **deploy(drafter, out / f"rollout-{i}", env, args)})
+                print(f"[canary-demo]   {result['rollouts'][-1].get('reason')}", flush=True)
         finally:
             result["load"] = load.stop()
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
     result["failed_requests"] = result["load"]["failed"]
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2), flush=True)
