@@ -304,8 +304,6 @@ def run(args: argparse.Namespace) -> dict:
         result["runs"] = [*kept.get("runs", []), {k: kept.get(k) for k in EARLIER}]
     if round_no > 1:  # the drafter in production serves
         tap += [f"drafter=models:/{REGISTERED}@production", f"mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}"]
-    if args.next_round:  # the earlier round's result is kept beside
-        earlier.rename(out / f"round-{round_no - 1}.json")
     failed = 0
     print("[adapt-demo] starting the server (the tap on)", flush=True)
     with serving(out / "serve.log", env, headers, tap):
@@ -342,6 +340,8 @@ def run(args: argparse.Namespace) -> dict:
         failed += ((earlier_run.get("after") or {}).get("load") or {}).get("failed", 0)
     result["failed_requests"] = failed
     result["live_change"] = live_change(result.get("before"), result.get("after"))
+    if args.next_round:  # the earlier round's result is kept beside, once this one's is there: a round stopped
+        earlier.rename(out / f"round-{round_no - 1}.json")  # midway leaves the earlier one to start again from
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "report.md").write_text(report(result) + "\n")
     print(report(result), flush=True)
