@@ -53,6 +53,15 @@ def _get(path: str, headers: dict) -> dict:
     return httpx.get(f"{URL}{path}", headers=headers, timeout=60).json()
 
 
+def own_key() -> tuple[dict, dict]:
+    """A demo's own API key (never printed): the environment its server and jobs run with, and its clients'
+    headers."""
+    key = secrets.token_urlsafe(24)
+    env = os.environ | {"AERIE_API_KEY": key}
+    env.pop("AERIE_API_KEY_FILE", None)
+    return env, {"Authorization": f"Bearer {key}"}
+
+
 @contextlib.contextmanager
 def serving(log_path: Path, env: dict, headers: dict, overrides: list[str]):
     """`aerie serve` of configs/smollm2-135m/serve.yaml with `overrides`, from the repository, its output in
@@ -282,10 +291,7 @@ def run(args: argparse.Namespace) -> dict:
     captured = asked(captured, round_no)
     if args.poison:  # the traffic captured is noise; "before" and "after" still measure the HumanEval problems
         captured = noise_prompts(args.capture, seed=0)
-    key = secrets.token_urlsafe(24)  # this demo's own API key (never printed)
-    env = os.environ | {"AERIE_API_KEY": key}
-    env.pop("AERIE_API_KEY_FILE", None)
-    headers = {"Authorization": f"Bearer {key}"}
+    env, headers = own_key()
     quiet = headers | {CAPTURE_HEADER: "off"}
     tap = [
         "tap.enabled=true",
@@ -375,8 +381,10 @@ def live_change(before: dict | None, after: dict | None, level: float = 0.95) ->
         b, a = (Acceptance.from_dict(d[key]) if (d or {}).get(key) else Acceptance() for d in (before, after))
         return (b, a) if a.drafts and b.drafts else None
 
-    counted = "measured" if counters("measured") else "every draft"
-    if (pair := counters("measured") or counters("acceptance")) is None:
+    counted, pair = "measured", counters("measured")
+    if pair is None:
+        counted, pair = "every draft", counters("acceptance")
+    if pair is None:
         return None
     b, a = pair
     diff, low, high = acceptance_difference(b, a, level)

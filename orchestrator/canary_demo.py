@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from orchestrator.adapt_demo import REPO, Background, serving
+from orchestrator.adapt_demo import REPO, Background, own_key, serving
 from orchestrator.errors import AerieError, exit_status
 
 
@@ -64,10 +62,7 @@ def run(args: argparse.Namespace) -> dict:
         if not d.startswith("models:/") and not Path(d).is_dir():
             raise AerieError(f"drafter {d!r} is neither a directory nor a models:/ URI")
     unseen = humaneval_prompts()[130:]  # the adapt demo's "before" and "after" problems, never captured there
-    key = secrets.token_urlsafe(24)  # this run's own API key (never printed)
-    env = os.environ | {"AERIE_API_KEY": key}
-    env.pop("AERIE_API_KEY_FILE", None)
-    headers = {"Authorization": f"Bearer {key}"}
+    env, headers = own_key()
     result: dict = {"users": args.users, "window_s": args.window_s, "min_drafts": args.min_drafts, "rollouts": []}
     print("[canary-demo] starting the server", flush=True)
     with serving(out / "serve.log", env, headers, []):
