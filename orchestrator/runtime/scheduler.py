@@ -332,8 +332,10 @@ class SpecScheduler:
         if m is not None:
             m.rounds += 1
             measuring = m.measured < m.share * m.rounds
-            if measuring and not want:
-                want, why = True, "measuring"
+            if measuring:  # counted now, not after drafting: the other micro-batch's round must see it
+                m.measured += 1
+                if not want:
+                    want, why = True, "measuring"
         catch_up = False
         if self.draft_alive and draftable and want:
             if group.streaming is not None:  # the drafter first takes what was streamed (or its failure is known)
@@ -342,9 +344,9 @@ class SpecScheduler:
             drafted = await self._draft(g)
             if drafted is not None:
                 self.meter.drafted(why, catch_up)
-        measuring = measuring and drafted is not None
-        if measuring:
-            m.measured += 1
+        if measuring and drafted is None:  # nothing drafted: not a measurement round after all
+            m.measured -= 1
+            measuring = False
         sketches = drafted.sketches if drafted is not None else {}
         ids = [rid for rid in ids if rid in group.requests]  # requests that ended meanwhile are not verified
         if not ids:

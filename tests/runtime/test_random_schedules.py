@@ -2,10 +2,13 @@
 two micro-batches, fixed or adaptive budgets, speculation on or off, a drafter with a short context, clients
 that submit at random moments and read, abort, disconnect, stop on a string or outlive their deadline,
 requests that fail in the worker (NaN distribution, prompt past the context), and worker faults at random
-call sites (death, silent restart, a raising call, a call whose answer never comes). Each run checks every
+call sites (death, silent restart, a raising call, a call whose answer never comes), and a rollout's measurement
+window (whole trees drafted and verified on a share of the rounds) that opens and closes at random moments. Each
+run checks every
 invariant: every request ends exactly once; a greedy or seeded request that finishes has exactly the
 reference output and any other has a prefix of it; a request fails only for its own fault, a worker fault
-or its deadline; and afterwards nothing is held anywhere. A failing seed reproduces on its own."""
+or its deadline; measurement rounds count apart and never more than their share; and afterwards nothing is held
+anywhere. A failing seed reproduces on its own."""
 
 from __future__ import annotations
 
@@ -104,6 +107,7 @@ def run_schedule(seed: int) -> dict:
     )
     clients = [_client(rng, eos) for _ in range(rng.randint(1, 4 * max_batch + 2))]
     texts: dict[int, TextStream] = {}
+    window = _window(seed)
 
     async def one(i: int, c: Client):
         for _ in range(c.delay):
@@ -120,10 +124,23 @@ def run_schedule(seed: int) -> dict:
         await read(h, r, abort_after)
         return r
 
-    async def body(h):
-        return await asyncio.gather(*[one(i, c) for i, c in enumerate(clients)])
+    async def measure():  # a rollout's window: opens after some turns, lasts a random span of the virtual clock
+        share, opens, lasts, closes = window
+        for _ in range(opens):
+            await asyncio.sleep(0)
+        h.scheduler.measure(share, lasts)
+        opened.append(h.scheduler.measuring)
+        for _ in range(closes):
+            await asyncio.sleep(0)
+        if closes:  # the window is closed early (a rollout that ends or is interrupted)
+            h.scheduler.measure(0, 0)
 
-    requests = run(h, body)
+    opened: list = []
+
+    async def body(h):
+        return await asyncio.gather(*[one(i, c) for i, c in enumerate(clients)], *([measure()] if window else []))
+
+    requests = run(h, body)[: len(clients)]
     faults = fault_rate > 0 or timeout_s < 1e6
     for i, (c, r) in enumerate(zip(clients, requests, strict=True)):
         if c.behaviour == "stop":  # read through text_events: a stop string ends it here, with an abort left
@@ -145,8 +162,25 @@ def run_schedule(seed: int) -> dict:
         elif want is not None:
             assert got == want[: len(got)], f"seed {seed}: client {i}: {got} is not a prefix of {want}"
         assert all(0 <= t < VOCAB - 1 for t in got)
+    meter = h.scheduler.meter
+    measured, acceptance = meter.measured, meter.acceptance
+    assert measured.drafts <= acceptance.drafts and measured.accepted <= acceptance.accepted, f"seed {seed}"
+    assert measured.accepted <= measured.draft_tokens, f"seed {seed}"
+    if not window:
+        assert measured.drafts == 0, f"seed {seed}: measured without a window"
+    for m in opened:  # a measurement round only while the measured share is below `share`
+        assert m.measured <= m.share * m.rounds + 1, f"seed {seed}: {m}"
     assert_settled(h)
     return {"requests": len(clients), "rounds": h.scheduler.meter.totals["rounds"]}
+
+
+def _window(seed: int) -> tuple[float, int, float, int] | None:
+    """A measurement window for this schedule (drawn apart, so the other draws stay those of the seed): share,
+    turns before it opens, virtual seconds it lasts, turns before it is closed early (0: never), or None."""
+    rng = random.Random(f"window-{seed}")
+    if rng.random() < 0.5:
+        return None
+    return rng.choice([0.2, 0.5, 1.0]), rng.randrange(8), rng.choice([0.05, 0.5, 1e9]), rng.choice([0, 0, 20])
 
 
 @pytest.mark.parametrize("block", range(5))
