@@ -3,12 +3,11 @@ two micro-batches, fixed or adaptive budgets, speculation on or off, a drafter w
 that submit at random moments and read, abort, disconnect, stop on a string or outlive their deadline,
 requests that fail in the worker (NaN distribution, prompt past the context), and worker faults at random
 call sites (death, silent restart, a raising call, a call whose answer never comes), and a rollout's measurement
-window (whole trees drafted and verified on a share of the rounds) that opens and closes at random moments. Each
-run checks every
-invariant: every request ends exactly once; a greedy or seeded request that finishes has exactly the
-reference output and any other has a prefix of it; a request fails only for its own fault, a worker fault
-or its deadline; measurement rounds count apart and never more than their share; and afterwards nothing is held
-anywhere. A failing seed reproduces on its own."""
+window (whole trees drafted and verified on a share of the rounds) that opens and closes at random moments.
+Each run checks every invariant: every request ends exactly once; a greedy or seeded request that finishes has
+exactly the reference output and any other has a prefix of it; a request fails only for its own fault, a worker
+fault or its deadline; measurement rounds count apart and never more than their share; and afterwards nothing
+is held anywhere. A failing seed reproduces on its own."""
 
 from __future__ import annotations
 
@@ -124,6 +123,8 @@ def run_schedule(seed: int) -> dict:
         await read(h, r, abort_after)
         return r
 
+    opened: list = []  # the Measuring of the window, once open
+
     async def measure():  # a rollout's window: opens after some turns, lasts a random span of the virtual clock
         share, opens, lasts, closes = window
         for _ in range(opens):
@@ -134,8 +135,6 @@ def run_schedule(seed: int) -> dict:
             await asyncio.sleep(0)
         if closes:  # the window is closed early (a rollout that ends or is interrupted)
             h.scheduler.measure(0, 0)
-
-    opened: list = []
 
     async def body(h):
         return await asyncio.gather(*[one(i, c) for i, c in enumerate(clients)], *([measure()] if window else []))
@@ -171,7 +170,7 @@ def run_schedule(seed: int) -> dict:
     for m in opened:  # a measurement round only while the measured share is below `share`
         assert m.measured <= m.share * m.rounds + 1, f"seed {seed}: {m}"
     assert_settled(h)
-    return {"requests": len(clients), "rounds": h.scheduler.meter.totals["rounds"]}
+    return {"requests": len(clients), "rounds": meter.totals["rounds"], "measured": measured.drafts}
 
 
 def _window(seed: int) -> tuple[float, int, float, int] | None:
@@ -186,12 +185,14 @@ def _window(seed: int) -> tuple[float, int, float, int] | None:
 @pytest.mark.parametrize("block", range(5))
 def test_random_schedules_keep_every_invariant(block):
     """100 schedules per block (500 in all); the time and size of each block are printed."""
-    began, rounds, requests = time.perf_counter(), 0, 0
+    began, rounds, requests, measured = time.perf_counter(), 0, 0, 0
     for seed in range(block * SCHEDULES // 5, (block + 1) * SCHEDULES // 5):
         stats = run_schedule(seed)
         rounds += stats["rounds"]
         requests += stats["requests"]
+        measured += stats["measured"]
+    assert measured > 0, "no schedule of the block measured a draft: the windows test nothing"
     print(
         f"\nschedules {block * 100}..{block * 100 + 99}: {requests} requests, {rounds:.0f} rounds, "
-        f"{time.perf_counter() - began:.1f} s"
+        f"{measured} measured drafts, {time.perf_counter() - began:.1f} s"
     )
