@@ -264,8 +264,17 @@ class SpecScheduler:
             yield delta, None, None
 
     def measure(self, share: float, seconds: float) -> None:
-        """Draft at least `share` of the rounds for the next `seconds` (0: stop), whatever the mode chooser says."""
-        self.measuring = Measuring(share, self.clock() + seconds) if share > 0 and seconds > 0 else None
+        """Draft at least `share` of the rounds for the next `seconds` (0: stop), whatever the mode chooser says.
+        The same share said again while its window is open moves the window's end and keeps its counts: a rollout
+        repeats it at every poll, so that every replica hears it, a restarted one included."""
+        if share <= 0 or seconds <= 0:
+            self.measuring = None
+            return
+        m, until = self.measuring, self.clock() + seconds
+        if m is not None and m.share == share and self.clock() <= m.until:
+            m.until = until
+        else:
+            self.measuring = Measuring(share, until)
 
     def abort(self, request_id: str) -> None:
         """The client left (or a stop string matched): end the request, free its slots."""

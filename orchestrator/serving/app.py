@@ -319,7 +319,8 @@ class SpecServer:
     @api.post("/measure")
     async def measure(self, request: Request):
         """A rollout's canary window: `share` of the rounds for `seconds` are measurement rounds, whole trees
-        counted in /stats' acceptance_measured (SpecScheduler.measure)."""
+        counted in /stats' acceptance_measured (SpecScheduler.measure; the same share again moves an open
+        window's end)."""
         try:
             body = await request.json()
             share, seconds = float(body["share"]), float(body["seconds"])

@@ -96,6 +96,35 @@ def backend_counters(app: str, import_path: str, proxy: str) -> dict[str, Accept
     return stats_counters(f"{proxy}{BACKEND_PREFIX}/{app}")
 
 
+# what a disaggregated backend's scheduler did (its /stats totals), diffed over a canary window
+ACTIVITY = ("rounds", "spec_rounds", "draft_calls", "draft_errors", "draft_failures", "catch_ups", "target_failures")
+
+
+def backend_activity(app: str, import_path: str, proxy: str) -> dict:
+    """A disaggregated backend's scheduler totals (`ACTIVITY`) and whether its drafter is alive, from /stats of
+    the replica that answers: why a canary window measured few drafts (no rounds, no draft calls, a drafter lost).
+    {} for the vLLM backend, whose engines draft every step."""
+    from orchestrator.serving.router import BACKEND_PREFIX
+
+    if backend_of(import_path) == "vllm":
+        return {}
+    stats = get_json(f"{proxy}{BACKEND_PREFIX}/{app}/stats")
+    out = {key: int(stats.get(key, 0)) for key in ACTIVITY}
+    out["measured_drafts"] = int(stats.get("acceptance_measured", {}).get("drafts", 0))
+    return out | {key: stats.get(key) for key in ("draft_alive", "running", "replica")}
+
+
+def activity_change(before: dict, after: dict) -> dict:
+    """`after`'s counts less `before`'s (the same replica's: another replica's totals are shown as they are),
+    its state (draft_alive, running) as it is."""
+    same = before.get("replica") == after.get("replica")
+    return {
+        key: value - before.get(key, 0) if same and key in (*ACTIVITY, "measured_drafts") else value
+        for key, value in after.items()
+        if key != "replica"
+    }
+
+
 def replica_actors(app: str) -> list[str]:
     """Names of the Serve replica actors of application `app` ('SERVE_REPLICA::app#deployment#id')."""
     import ray

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from orchestrator.console import say
 from orchestrator.errors import AerieError
 from orchestrator.serving.backends import backend_of, build_application
-from orchestrator.serving.counters import backend_counters, running_import_path
+from orchestrator.serving.counters import backend_activity, backend_counters, running_import_path
 from orchestrator.serving.launch import app_resources
 from orchestrator.serving.placement import PlacementWatch, check_placeable, fmt_resources, wait_running
 from orchestrator.serving.router import BACKEND_PREFIX, Route, RouterConfig, forget_routes
@@ -147,10 +147,11 @@ class ServeDeployments:
         """The import path of running backend `app`'s kind."""
         return running_import_path(app)
 
-    def measure(self, app: str, import_path: str, share: float, seconds: float) -> None:
+    def measure(self, app: str, import_path: str, share: float, seconds: float, again: bool = False) -> None:
         """Ask a disaggregated backend to make `share` of its rounds measurement rounds (whole trees) for `seconds`
         (vLLM drafts and verifies its whole chain every step anyway). Best effort: a backend that does not answer
-        is named in an event, the watch goes on."""
+        is named in an event, the watch goes on. One replica hears each request: `again` (said at every poll,
+        so that every replica hears it, a restarted one too) logs only a failure."""
         if backend_of(import_path) != "disaggregated":
             return
         import urllib.request
@@ -162,9 +163,17 @@ class ServeDeployments:
         headers = {"content-type": "application/json", **auth_headers()}
         try:
             urllib.request.urlopen(urllib.request.Request(url, body, headers, method="POST"), timeout=10).close()
-            self.event("measuring", app=app, share=share, seconds=seconds)
+            if not again:
+                self.event("measuring", app=app, share=share, seconds=seconds)
         except OSError as err:
             self.event("measuring not set", app=app, error=repr(err)[:200])
+
+    def activity(self, app: str, import_path: str) -> dict:
+        """What `app`'s scheduler did so far (`backend_activity`); {"error": ...} when it does not answer."""
+        try:
+            return backend_activity(app, import_path, self.proxy)
+        except OSError as err:
+            return {"error": repr(err)[:200]}
 
     def counters(self, app: str, import_path: str) -> dict[str, Acceptance]:
         """`app`'s cumulative acceptance counters by replica (what `CounterWindow` takes)."""

@@ -28,6 +28,7 @@ already served) and `run_rollout` (`jobs.deploy`: only a running cluster; a cana
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import time
@@ -40,8 +41,8 @@ from pydantic import Field
 from orchestrator.config import StrictModel
 from orchestrator.errors import AerieError
 from orchestrator.redaction import redact_text
-from orchestrator.serving.canary import CanaryTest
-from orchestrator.serving.counters import CounterWindow
+from orchestrator.serving.canary import CanaryTest, Verdict
+from orchestrator.serving.counters import CounterWindow, activity_change
 from orchestrator.serving.deployments import EventLog, ServeDeployments, undeploy
 from orchestrator.serving.launch import read_serve_config
 from orchestrator.serving.router import Route
@@ -192,7 +193,16 @@ class Rollout:
             self.to(Phase.CANARY)
             for app, path in paths.items():
                 self.d.measure(app, path, self.cfg.measure_share, self.cfg.max_window_s)
-            watched, verdict = self.watch(paths, lambda now, final: test.look(now[stable.app], now[canary.app], final))
+            before = {app: self.d.activity(app, path) for app, path in paths.items()}
+            ends = self.clock() + self.cfg.max_window_s
+
+            def say_again() -> None:  # one replica hears each request: every replica, a restarted one too, in time
+                for app, path in paths.items():
+                    self.d.measure(app, path, self.cfg.measure_share, max(1.0, ends - self.clock()), again=True)
+
+            look = lambda now, final: test.look(now[stable.app], now[canary.app], final)  # noqa: E731
+            watched, verdict = self.watch(paths, look, each_poll=say_again)
+            verdict = self.explain(verdict, before, paths)
         except BaseException as err:  # a failure or an interrupt (Ctrl-C, `ray job stop`) while the canary runs
             self.to(Phase.RETIRING, "interrupted", reason=repr(err)[:300])
             self.retire(stable, canary)
@@ -218,11 +228,17 @@ class Rollout:
         self.timeline.append(row)
         return row
 
-    def watch(self, paths: dict[str, str], until: Callable[[dict[str, Acceptance], bool], T | None]):
+    def watch(
+        self,
+        paths: dict[str, str],
+        until: Callable[[dict[str, Acceptance], bool], T | None],
+        each_poll: Callable[[], object] = lambda: None,
+    ):
         """Acceptance of every app from the first read on, until `until(acceptance by app, final)` answers (not
         None) once window_s has passed, or, with final=True, at max_window_s; returns (acceptance, answer). The
         counters are read at every poll (`CounterWindow`: every replica answering, restarts counted on); a read
-        that fails (timed out under load) is read again at the next poll: nothing is lost."""
+        that fails (timed out under load) is read again at the next poll: nothing is lost. `each_poll()` runs
+        after each poll's sleep."""
         cfg = self.cfg
         windows = {app: CounterWindow() for app in paths}
         start = self.clock()
@@ -250,6 +266,19 @@ class Rollout:
                     if answer is not None:
                         return now, answer
             self.sleep(cfg.poll_s)
+            each_poll()
+
+    def explain(self, verdict: Verdict, before: dict[str, dict], paths: dict[str, str]) -> Verdict:
+        """What each backend's scheduler did over the window (rounds, draft calls, measured drafts, its drafter's
+        losses), in the record and the log; an inconclusive verdict's reason says it (too few drafts is then a
+        drafter lost, or rounds that never drafted, or no traffic, not a mystery)."""
+        change = {app: activity_change(before[app], self.d.activity(app, path)) for app, path in paths.items()}
+        self.record["activity"] = change
+        self.event("the window's activity", **change)
+        if verdict.decision != "inconclusive" or not any(change.values()):
+            return verdict
+        said = "; ".join(f"{app}: {_activity_line(a)}" for app, a in change.items() if a)
+        return dataclasses.replace(verdict, reason=f"{verdict.reason}. Over the window {said}")
 
     def drain(self, app: str) -> None:
         """Wait until the router has nothing in flight at `app` (it gets no new requests any more)."""
@@ -284,6 +313,17 @@ class Rollout:
         self.record["record_dir"] = str(out)
         tag_rollout(self.record, self.cfg.tracking_uri, self.cfg.production_alias)
         return self.record
+
+
+def _activity_line(a: dict) -> str:
+    if "error" in a:
+        return f"stats unreadable ({a['error']})"
+    alive = "alive" if a.get("draft_alive") else "not answering"
+    return (
+        f"{a.get('rounds', 0)} rounds, {a.get('draft_calls', 0)} draft calls, {a.get('measured_drafts', 0)} "
+        f"measured drafts, {a.get('draft_failures', 0)} drafter losses, {a.get('draft_errors', 0)} drafter errors, "
+        f"drafter {alive} at the end"
+    )
 
 
 # -- the two entry points ----------------------------------------------------------------------------------------

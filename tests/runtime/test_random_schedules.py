@@ -126,15 +126,20 @@ def run_schedule(seed: int) -> dict:
     opened: list = []  # the Measuring of the window, once open
 
     async def measure():  # a rollout's window: opens after some turns, lasts a random span of the virtual clock
-        share, opens, lasts, closes = window
+        share, opens, lasts, closes, every = window
         for _ in range(opens):
             await asyncio.sleep(0)
         h.scheduler.measure(share, lasts)
         opened.append(h.scheduler.measuring)
-        for _ in range(closes):
+        for turn in range(1, max(closes, 20) + 1):
             await asyncio.sleep(0)
-        if closes:  # the window is closed early (a rollout that ends or is interrupted)
-            h.scheduler.measure(0, 0)
+            if turn == closes:  # the window is closed early (a rollout that ends or is interrupted)
+                h.scheduler.measure(0, 0)
+                return
+            if every and turn % every == 0:  # said again, as a rollout does at every poll: an open window goes on
+                h.scheduler.measure(share, lasts)
+                if h.scheduler.measuring is not opened[-1]:  # (it had ended: a new one)
+                    opened.append(h.scheduler.measuring)
 
     async def body(h):
         return await asyncio.gather(*[one(i, c) for i, c in enumerate(clients)], *([measure()] if window else []))
@@ -173,13 +178,15 @@ def run_schedule(seed: int) -> dict:
     return {"requests": len(clients), "rounds": meter.totals["rounds"], "measured": measured.drafts}
 
 
-def _window(seed: int) -> tuple[float, int, float, int] | None:
+def _window(seed: int) -> tuple[float, int, float, int, int] | None:
     """A measurement window for this schedule (drawn apart, so the other draws stay those of the seed): share,
-    turns before it opens, virtual seconds it lasts, turns before it is closed early (0: never), or None."""
+    turns before it opens, virtual seconds it lasts, turns before it is closed early (0: never), every how many
+    turns it is said again (0: never), or None."""
     rng = random.Random(f"window-{seed}")
     if rng.random() < 0.5:
         return None
-    return rng.choice([0.2, 0.5, 1.0]), rng.randrange(8), rng.choice([0.05, 0.5, 1e9]), rng.choice([0, 0, 20])
+    window = rng.choice([0.2, 0.5, 1.0]), rng.randrange(8), rng.choice([0.05, 0.5, 1e9]), rng.choice([0, 0, 20])
+    return *window, rng.choice([0, 0, 3, 7])
 
 
 @pytest.mark.parametrize("block", range(5))

@@ -379,6 +379,28 @@ def test_measuring_drafts_a_bounded_share_of_rounds_the_mode_chooser_would_not()
     assert t["draft_calls"] - 2 <= t["catch_ups"] <= t["draft_calls"]
 
 
+def test_a_window_said_again_goes_on_and_another_share_or_an_ended_one_starts_afresh():
+    """A rollout says its window again at every poll (so that every replica hears it): the open window's end
+    moves and its counts go on; another share, or a window that had ended, starts afresh; 0 closes it."""
+    h = build(max_batch=2, micro_batches=1)
+    now = [0.0]
+    h.scheduler.clock = lambda: now[0]
+    h.scheduler.measure(0.5, 10)
+    m = h.scheduler.measuring
+    m.rounds, m.measured = 8, 4
+    now[0] = 5.0
+    h.scheduler.measure(0.5, 10)
+    assert h.scheduler.measuring is m and (m.until, m.rounds, m.measured) == (15.0, 8, 4)
+    h.scheduler.measure(0.2, 10)
+    assert h.scheduler.measuring is not m and h.scheduler.measuring.rounds == 0
+    m = h.scheduler.measuring
+    now[0] = 16.0  # ended at 15
+    h.scheduler.measure(0.2, 10)
+    assert h.scheduler.measuring is not m and h.scheduler.measuring.until == 26.0
+    h.scheduler.measure(0, 10)
+    assert h.scheduler.measuring is None
+
+
 def test_measurement_rounds_verify_whole_trees_whatever_the_budget_policy_trims():
     """A canary compares two backends whose budget policies learned differently (one trims to a node a draft,
     one verifies 8): its measurement rounds verify every request's whole tree and count apart

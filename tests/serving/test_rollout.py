@@ -89,6 +89,7 @@ def deploy_cfg(serve_session: str, app: Path, name: str, **kw):
 
     port = int(serve_session.rsplit(":", 1)[1])
     defaults = {"window_s": 4, "min_drafts": 20, "poll_s": 0.5, "startup_timeout_s": 600, "drain_timeout_s": 120}
+    defaults["max_window_s"] = 180  # these decide within seconds; one that does not fails in 3 min, not 10
     return DeployConfig(app=str(app), name=name, route_prefix=f"/{name}", port=port, **(defaults | kw))
 
 
@@ -274,7 +275,8 @@ def test_rollout_promotes_under_load_through_the_death_of_the_route_table_and_a_
         killer.join(timeout=60)
         time.sleep(3)
     print(f"\nkilled {[k for k, _ in killed]}; {len(load.results)} + {len(streams.results)} requests")
-    print(json.dumps({k: record[k] for k in ("decision", "acceptance", "reason")}, indent=1))
+    print(json.dumps({k: record[k] for k in ("decision", "acceptance", "reason", "activity")}, indent=1))
+    print("failed:", load.failures()[:3], streams.failures()[:3])
     assert [k for k, _ in killed][0] == "route table" and len(killed) == 2
     assert record["decision"] == "promoted" and record["app"] == "dur-2"
     assert len(load.results) >= 10 and load.failures() == []
@@ -312,7 +314,7 @@ def test_an_interrupted_rollout_gives_all_traffic_back_to_the_stable_backend(dur
     v3 = _random_drafter(tiny_chat, tmp / "v3", seed=2)
     cfg = deploy_cfg(serve_session, app, "dur", drafter=str(v3), output_dir=str(tmp / "interrupted"))
 
-    def interrupted_watch(self, paths, until):
+    def interrupted_watch(self, paths, until, **kw):
         time.sleep(2)  # the canary takes traffic meanwhile
         raise KeyboardInterrupt
 

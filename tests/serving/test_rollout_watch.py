@@ -12,6 +12,7 @@ import random
 import pytest
 
 from orchestrator.errors import AerieError
+from orchestrator.serving.canary import CanaryTest
 from orchestrator.serving.counters import CounterWindow
 from orchestrator.serving.deployments import EventLog
 from orchestrator.serving.rollout import TRANSITIONS, DeployConfig, Phase, Rollout
@@ -84,8 +85,11 @@ class FakeDeployments:
     def import_path_of(self, app: str) -> str:
         return self.apps[app]
 
-    def measure(self, app: str, path: str, share: float, seconds: float) -> None:
-        self.calls.append(f"measure {app} {share:g}")
+    def measure(self, app: str, path: str, share: float, seconds: float, again: bool = False) -> None:
+        self.calls.append(f"measure {app} {share:g}" + (" again" if again else ""))
+
+    def activity(self, app: str, path: str) -> dict:
+        return {"rounds": self.reads, "draft_calls": self.reads, "draft_alive": True, "replica": "r1"}
 
     def counters(self, app: str, path: str) -> dict[str, Acceptance]:
         self.reads += 1
@@ -150,6 +154,7 @@ def test_the_rollout_state_machine_takes_every_transition_with_fake_backends(tmp
     assert events.index("drained") < events.index("deleted") and events[-2:] == ["deleted", "done"]
     assert d.calls[-3:] == ["set_routes m-2:1 m-1:0", "set_routes m-2:1", "delete m-1"]
     assert {"measure m-1 0.5", "measure m-2 0.5"} <= set(d.calls) and d.calls[-4] == "measure m-2 0"
+    assert {"measure m-1 0.5 again", "measure m-2 0.5 again"} <= set(d.calls)  # at every poll, every replica hears it
     assert [r.app for r in d.routes] == ["m-2"]
 
     # rolled back: the candidate accepts about 1.3 tokens per draft less than the stable one
@@ -171,7 +176,8 @@ def test_the_rollout_state_machine_takes_every_transition_with_fake_backends(tmp
     ro, t = _rollout(_cfg(tmp_path, tolerance=0.0, max_window_s=60), d)
     record = ro.run(APP, "v3c")
     taken += t
-    assert record["decision"] == "inconclusive" and record["reason"].endswith("the window ended undecided")
+    assert record["decision"] == "inconclusive" and "window ended undecided. Over the window m-2: " in record["reason"]
+    assert "draft calls" in record["reason"] and record["activity"]["m-5"]["rounds"] > 0  # what each backend did
     assert record["app"] == "m-2" and [r.app for r in d.routes] == ["m-2"] and record["test"]["look"] >= 3
 
     # failed: the candidate does not start; it is deleted, the stable one keeps every route
@@ -228,6 +234,29 @@ def test_a_transition_off_the_table_is_refused(tmp_path):
     ro.to(Phase.STARTING)
     with pytest.raises(RuntimeError, match="no transition starting -> done deciding 'promoted'"):
         ro.to(Phase.DONE, "promoted")
+
+
+def test_a_window_that_measured_too_few_drafts_says_what_each_backend_did(tmp_path):
+    """A canary window with no measured draft (here: the stable backend's drafter stopped answering, the canary
+    got no rounds) ends inconclusive, and the reason says what each scheduler did over the window."""
+    from orchestrator.serving.counters import activity_change
+
+    d = FakeDeployments()
+    ro, _ = _rollout(_cfg(tmp_path), d)
+    verdict = CanaryTest(0.1, 20).look(Acceptance(), Acceptance(), final=True)
+    state = {"m-1": {"rounds": 10, "draft_calls": 4, "draft_failures": 0, "draft_alive": True, "replica": "a"}}
+    state["m-2"] = {"rounds": 0, "draft_calls": 0, "draft_alive": True, "replica": "b"}
+    before = {app: dict(a) for app, a in state.items()}
+    state["m-1"] |= {"rounds": 250, "draft_failures": 1, "draft_alive": False}
+    d.activity = lambda app, path: state[app]
+    said = ro.explain(verdict, before, {"m-1": "x", "m-2": "x"}).reason
+    assert said.startswith("too few drafts by the window's end (stable 0, canary 0; 20 each needed). Over the window")
+    assert "m-1: 240 rounds, 0 draft calls, 0 measured drafts, 1 drafter losses" in said
+    assert "drafter not answering at the end" in said and "m-2: 0 rounds" in said
+    assert ro.record["activity"]["m-1"]["rounds"] == 240
+    # another replica answered at the end: its totals are shown as they are, not diffed with the first one's
+    assert activity_change({"rounds": 9, "replica": "a"}, {"rounds": 5, "replica": "b"}) == {"rounds": 5}
+    assert activity_change({"rounds": 9, "replica": "a"}, {"error": "timed out"}) == {"error": "timed out"}
 
 
 def _enough(now: dict, final: bool):
