@@ -46,7 +46,8 @@ class BenchmarkServingConfig(StrictModel):
     arms: dict[str, list[str]] = Field(
         {},
         description="more deployments of `app`, each with these extra overrides, in the same interleaved run (e.g. "
-        "{tap: [tap.enabled=true]}); arm_ratios: each arm's per-user tokens/s over the app's, paired, per mode",
+        "{tap: [tap.enabled=true]}); arm_ratios: each arm's per-user tokens/s over the app's, paired, per mode; an "
+        "arm with no overrides ({twin: []}) is the app again: speedup_pooled pools every such pair's requests",
     )
     modes: list[Literal["spec", "no-spec"]] = Field(
         ["spec", "no-spec"],
@@ -236,6 +237,12 @@ def paired_speedup(spec: dict, plain: dict) -> dict:
     if not pairs:
         return {"ratio": 0.0, "low": None, "high": None, "n": 0}
     return paired_ratio([a for a, _ in pairs], [b for _, b in pairs])
+
+
+def pool(levels: list[dict]) -> dict:
+    """Levels of identical deployments (the same mode and users) as one, for `paired_speedup`: their requests in
+    order, deployment after deployment."""
+    return {"per_request_tok_s": [x for level in levels for x in level["per_request_tok_s"]]}
 
 
 def scheduler_delta(before: dict, after: dict) -> dict:
@@ -469,16 +476,7 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         requests.close()
         for d in deployed:
             serve.delete(d.name)
-    for label, _ in backends:
-        spec, plain = result["modes"].get(f"{label}spec"), result["modes"].get(f"{label}no-spec")
-        if spec and plain:
-            key = f"{label.replace('-', '_')}speedup"
-            result[key] = {c: paired_speedup(spec[c], plain[c]) for c in cfg.concurrency}
-    for name in cfg.arms:  # the arm against the app as configured, mode by mode (tap on / off, ...)
-        ratios = result.setdefault("arm_ratios", {}).setdefault(name, {})
-        for mode in cfg.modes:
-            arm, base = result["modes"][f"{name}-{mode}"], result["modes"][mode]
-            ratios[mode] = {c: paired_speedup(arm[c], base[c]) for c in cfg.concurrency}
+    compare(result, cfg, [label for label, _ in backends])
     if cfg.in_process and "spec" in cfg.modes and args.get("drafter"):
         from orchestrator.data.prompts import render_chat
         from orchestrator.models.prepare import resolve_model
@@ -491,6 +489,30 @@ def run_serving_benchmark(cfg: BenchmarkServingConfig, out_dir: Path) -> dict:
         if spec_c1:
             result["overhead_c1"] = overhead_breakdown(spec_c1, result["in_process_c1"])
     return result
+
+
+def compare(result: dict, cfg: BenchmarkServingConfig, labels: list[str]) -> None:
+    """The ratios of a run's levels (`result["modes"]`), into `result`: each backend's speculation on / off
+    (`speedup`, `vllm_speedup`, `ARM_speedup`), the pooled one over identical deployments (`speedup_pooled`), and
+    each arm against the app as configured (`arm_ratios`). labels: the backends' prefixes ("", "vllm-", "ARM-")."""
+    for label in labels:
+        spec, plain = result["modes"].get(f"{label}spec"), result["modes"].get(f"{label}no-spec")
+        if spec and plain:
+            key = f"{label.replace('-', '_')}speedup"
+            result[key] = {c: paired_speedup(spec[c], plain[c]) for c in cfg.concurrency}
+    twins = [f"{name}-" for name, overrides in cfg.arms.items() if not overrides]  # the app deployed again
+    if twins and "speedup" in result:  # every pair of identical deployments, pooled: a deployment's luck averages
+        modes = result["modes"]
+        result["speedup_pooled"] = {
+            c: paired_speedup(*(pool([modes[f"{label}{m}"][c] for label in ["", *twins]]) for m in ("spec", "no-spec")))
+            for c in cfg.concurrency
+        }
+        result["pooled_deployments"] = 1 + len(twins)
+    for name in cfg.arms:  # the arm against the app as configured, mode by mode (tap on / off, ...)
+        ratios = result.setdefault("arm_ratios", {}).setdefault(name, {})
+        for mode in cfg.modes:
+            arm, base = result["modes"][f"{name}-{mode}"], result["modes"][mode]
+            ratios[mode] = {c: paired_speedup(arm[c], base[c]) for c in cfg.concurrency}
 
 
 def reservations(deployments: list[tuple[dict, str]]) -> dict[str, float]:
@@ -609,6 +631,11 @@ def format_table(result: dict) -> str:
                 f"({result.get('repeats', 1)} interleaved repeats): "
                 + ", ".join(f"{c} users {format_ratio(x)}" for c, x in result[key].items())
             )
+    if "speedup_pooled" in result:
+        lines.append(
+            f"disaggregated, pooled over {result['pooled_deployments']} identical deployments per mode (arms with no "
+            "overrides): " + ", ".join(f"{c} users {format_ratio(x)}" for c, x in result["speedup_pooled"].items())
+        )
     if "overhead_c1" in result:
         o = result["overhead_c1"]
         lines += [

@@ -102,3 +102,33 @@ def test_answer_lengths_spread_over_the_range_and_pair_across_modes(monkeypatch)
     results, _ = asyncio.run(serving.run_requests("http://x", "m", prompts, 3, 6, lengths[:6]))
     assert sorted(sent) == sorted((i % 4, lengths[i]) for i in range(6))
     assert [r["tokens"] for r in results] == lengths[:6]
+
+
+def test_identical_deployments_pool_their_pairs_and_other_arms_are_compared_with_the_app():
+    """An arm with no overrides is the app deployed again: speculation on / off is pooled over every such pair
+    (a deployment's luck averages out; each pair keeps its own ratio), and an arm with overrides is only compared
+    with the app, mode by mode."""
+    from orchestrator.benchmarks.serving import compare
+
+    def level(*tok_s: float) -> dict:
+        return {"per_request_tok_s": list(tok_s)}
+
+    modes = {  # the first spec deployment ran 10% fast, its twin 10% slow: on / off is 1.0 in truth
+        "spec": {4: level(11, 11, 11, 11)},
+        "no-spec": {4: level(10, 10, 10, 10)},
+        "twin-spec": {4: level(9, 9, 9, 9)},
+        "twin-no-spec": {4: level(10, 10, 10, 10)},
+        "tap-spec": {4: level(8, 8, 8, 8)},
+        "tap-no-spec": {4: level(10, 10, 10, 10)},
+    }
+    cfg = BenchmarkServingConfig(
+        app="unused.yaml", arms={"twin": [], "tap": ["tap.enabled=true"]}, concurrency=[4], output_dir="unused"
+    )
+    result = {"modes": modes}
+    compare(result, cfg, ["", "twin-", "tap-"])
+    assert result["speedup"][4]["ratio"] == pytest.approx(1.1) and result["twin_speedup"][4]["ratio"] == 0.9
+    pooled = result["speedup_pooled"][4]
+    assert pooled["ratio"] == pytest.approx(1.0) and pooled["n"] == 8 and result["pooled_deployments"] == 2
+    assert result["arm_ratios"]["tap"]["spec"][4]["ratio"] == pytest.approx(8 / 11)
+    assert result["arm_ratios"]["twin"]["no-spec"][4]["ratio"] == 1.0
+    assert result["tap_speedup"][4]["ratio"] == pytest.approx(0.8) and "vllm_speedup" not in result
