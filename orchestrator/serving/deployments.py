@@ -172,7 +172,7 @@ class ServeDeployments:
         """What `app`'s scheduler did so far (`backend_activity`); {"error": ...} when it does not answer."""
         try:
             return backend_activity(app, import_path, self.proxy)
-        except OSError as err:
+        except (OSError, ValueError) as err:  # unreachable, an HTTP error, a body that is not JSON
             return {"error": repr(err)[:200]}
 
     def counters(self, app: str, import_path: str) -> dict[str, Acceptance]:
