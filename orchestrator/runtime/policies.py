@@ -211,7 +211,7 @@ class ModeChooser:
             self.why = "start"
             return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
         if self.probe is None or self.probe.left == 0:
-            best = self.rate(True, bucket) >= self.rate(False, bucket)
+            best = self._best(bucket)
             if self.chosen.setdefault(bucket, best) != best:
                 self.chosen[bucket] = best
                 self._log_switch(bucket, best)
@@ -239,7 +239,8 @@ class ModeChooser:
                 if (m := self.measured.get((drafted, b))) is not None
             }
             if len(modes) == 2:
-                modes["choice"] = "drafted" if self.rate(True, b) >= self.rate(False, b) else "target_only"
+                choice = self.chosen.get(b, self.rate(True, b) >= self.rate(False, b))
+                modes["choice"] = "drafted" if choice else "target_only"
             out[_sizes(b)] = modes
         return out
 
@@ -274,6 +275,20 @@ class ModeChooser:
         best = max(self.rate(True, bucket), self.rate(False, bucket))
         loser = drafted if self.rate(True, bucket) < best else plain
         self.debt += loser.rounds * max(0.0, loser.seconds - loser.tokens / best)
+
+    def _best(self, bucket: int) -> bool:
+        """The mode with the higher measured rate, except that a bucket serving target-only starts drafting
+        only on a fresh measurement of drafting. A drafted cost not measured for `probe_every` rounds was taken
+        under another load: when users arrive, every round grows slower, target-only ones included, and a stale
+        drafted cost measured at a lighter load then looks cheap. Switching on it drafted dozens of rounds at
+        16 users that each cost twice a target-only one (docs/benchmarks.md); the next probe refreshes it, and a
+        fresh measurement that wins switches at once. Going target-only needs no such proof: it is the
+        baseline, and a wrong switch costs only the drafter's gain until the next probe."""
+        best = self.rate(True, bucket) >= self.rate(False, bucket)
+        drafted = self.measured[(True, bucket)]
+        if best and not self.chosen.get(bucket, True) and self.rounds - drafted.last > self.probe_every:
+            return False
+        return best
 
     def rate(self, drafted: bool, bucket: int) -> float:
         """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""

@@ -178,6 +178,46 @@ def test_mode_chooser_skips_catch_up_rounds_replaces_stale_costs_and_keeps_the_y
     assert modes.measured[(True, 1)].tokens == pytest.approx(4.0)
 
 
+def _drafted_by_choice_after_users_arrive(modes: ModeChooser) -> tuple[int, int]:
+    """40 rounds at a light load (drafting 1.3 tokens per request in 0.11 s, target-only 1 in 0.07 s: target-only
+    wins), then users arrive and every round takes twice as long (0.3 s and 0.15 s: target-only still wins).
+    Drafted rounds under the load, by choice and by probe."""
+    by_choice = probes = 0
+    for r in range(160):
+        heavy = r >= 40
+        drafted = modes.choose(4)
+        if heavy and drafted:
+            by_choice, probes = by_choice + (modes.why == "best"), probes + (modes.why == "probe")
+        seconds = (0.3 if drafted else 0.15) if heavy else (0.11 if drafted else 0.07)
+        modes.observe(drafted, 4, tokens=4 * (1.3 if drafted else 1), seconds=seconds)
+    return by_choice, probes
+
+
+def test_mode_chooser_starts_drafting_only_on_a_fresh_measurement_of_it():
+    """The drafted cost measured at the lighter load is stale once users arrive and looks cheap against the new
+    target-only cost (1.3 / 0.11 > 1 / 0.15). The chooser probes drafting instead of switching to it, and the
+    probe's fresh cost keeps target-only; comparing the stale cost drafted by choice under the load."""
+
+    class Stale(ModeChooser):
+        def _best(self, bucket: int) -> bool:
+            return self.rate(True, bucket) >= self.rate(False, bucket)
+
+    assert _drafted_by_choice_after_users_arrive(Stale(probe_every=4, probe_rounds=2))[0] > 0
+    by_choice, probes = _drafted_by_choice_after_users_arrive(ModeChooser(probe_every=4, probe_rounds=2))
+    assert by_choice == 0 and 0 < probes <= 8
+    # a fresh measurement that wins switches at once: the drafter got better (2 tokens in 0.1 s)
+    fresh = ModeChooser(probe_every=4, probe_rounds=2, probe_overhead=1.0)
+    for drafted in (True, True, False, False):
+        fresh.choose(4)
+        fresh.observe(drafted, 4, tokens=4 * (1.3 if drafted else 1), seconds=0.11 if drafted else 0.07)
+    picks = []
+    for _ in range(12):
+        picks.append((drafted := fresh.choose(4), fresh.why))
+        fresh.observe(drafted, 4, tokens=4 * (2 if drafted else 1), seconds=0.1 if drafted else 0.07)
+    first = picks.index((True, "probe"))
+    assert picks[first + 2] == (True, "best") and fresh.state()["4-7"]["choice"] == "drafted"
+
+
 def _simulated_share_drafted(modes: ModeChooser, accept: float, seed: int) -> float:
     """Concurrency 1: 48 requests of 64 tokens, each with its own per-step acceptance (mean `accept`, sd
     0.15); a drafted round (chain of 5) costs 95 ms, a target-only one 64 ms (the serving benchmark's)."""
