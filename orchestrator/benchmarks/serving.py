@@ -269,6 +269,9 @@ def scheduler_delta(before: dict, after: dict) -> dict:
         "target_to_draft_bytes_per_round": d.get("target_to_draft_bytes", 0) / rounds,
         "draft_to_target_bytes_per_round": d.get("draft_to_target_bytes", 0) / rounds,
         "drafted_by": {r: d.get(f"drafted_{r}", 0) for r in DRAFT_REASONS} | {"catch_ups": d.get("catch_ups", 0)},
+        # drafted rounds' time beyond target-only's for their tokens, a share of all rounds' time: what drafting
+        # cost (negative: saved) by the chooser's own accounting, free of the deployments' differences
+        "drafting_excess": d.get("drafted_excess_s", 0) / d["round_s"] if d.get("round_s") else None,
         "modes": after.get("modes"),  # the mode choosers' measurements when the level ended
         "calibration": after.get("calibration"),  # the budget policy's state when the level ended
         "cost": after.get("cost"),
@@ -609,18 +612,22 @@ def vllm_delta(before: Acceptance, after: Acceptance) -> dict:
 
 def format_table(result: dict) -> str:
     lines = [
-        "| mode | users | per-user tok/s | total tok/s | TTFT p50/p99 s | ITL p50/p99 ms | tau | budget use | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | users | per-user tok/s | total tok/s | TTFT p50/p99 s | ITL p50/p99 ms | tau | budget use "
+        "| drafted (excess) | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, levels in result["modes"].items():
         for c, r in levels.items():
             s = r["scheduler"]
             use = f"{s['budget_use']:.2f}" if "budget_use" in s else "-"
+            drafted = f"{s['drafted_share']:.1%}" if "drafted_share" in s else "-"
+            if s.get("drafting_excess") is not None and s.get("drafted_share"):
+                drafted += f" ({s['drafting_excess']:+.1%})"
             lines.append(
                 f"| {mode} | {c} | {r['per_user_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
                 f"{r['ttft_p50_s'] or 0:.2f}/{r['ttft_p99_s'] or 0:.2f} | "
                 f"{1e3 * (r['itl_p50_s'] or 0):.0f}/{1e3 * (r['itl_p99_s'] or 0):.0f} | "
-                f"{s['acceptance_length']:.2f} | {use} | {r['failed']} |"
+                f"{s['acceptance_length']:.2f} | {use} | {drafted} | {r['failed']} |"
             )
     from orchestrator.stats import format_ratio
 

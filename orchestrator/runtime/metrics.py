@@ -168,6 +168,8 @@ TOTALS = (
     "draft_failures",
     *(f"drafted_{r}" for r in DRAFT_REASONS),
     "catch_ups",  # drafted rounds after target-only ones
+    "round_s",  # rounds' seconds as the mode chooser measures them (both micro-batches': overlapping)
+    "drafted_excess_s",  # drafted rounds' seconds beyond target-only's for their tokens (ModeChooser.excess)
 )
 
 
@@ -224,6 +226,11 @@ class Meter:
         """A round drafted, for `reason` (DRAFT_REASONS); `catch_up`: after target-only rounds."""
         self.totals[f"drafted_{reason}"] += 1
         self.totals["catch_ups"] += catch_up
+
+    def round_time(self, seconds: float, excess: float | None) -> None:
+        """A round's seconds, and for a drafted one what it took beyond target-only (ModeChooser.excess)."""
+        self.totals["round_s"] += seconds
+        self.totals["drafted_excess_s"] += excess or 0.0
 
     def draft_error(self) -> None:
         """The drafter raised (its worker lives)."""

@@ -290,6 +290,16 @@ class ModeChooser:
             return False
         return best
 
+    def excess(self, n: int, tokens: int, seconds: float) -> float | None:
+        """Seconds a drafted round of `n` requests that yielded `tokens` took beyond what target-only rounds
+        would have taken for them, at the target-only cost measured at its batch size (negative: drafting saved
+        time); None where target-only has not been measured yet. What drafting costs, or gains, by accounting:
+        unlike a comparison of two deployments, it does not see how their processes happened to share cores."""
+        plain = self.measured.get((False, n.bit_length()))
+        if plain is None:
+            return None
+        return seconds - tokens / max(1, n) * plain.seconds / max(plain.tokens, 1e-6)
+
     def rate(self, drafted: bool, bucket: int) -> float:
         """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""
         m = self.measured[(drafted, bucket)]

@@ -379,10 +379,12 @@ class SpecScheduler:
         accepted = sum(u.accepted for u in out.updates)
         self.policy.observe(len(ids), out.verified_tokens, out.compute_s, predicted, accepted)
         with_draft = drafted is not None
+        seconds, emitted = self.clock() - round_began, sum(len(u.tokens) for u in out.updates)
+        excess = group.modes.excess(len(ids), emitted, seconds) if with_draft and self.cfg.adaptive else None
+        self.meter.round_time(seconds, excess)
         if self.cfg.adaptive and not measuring:  # whole trees are not what the mode chooser would draft
-            emitted = sum(len(u.tokens) for u in out.updates)
             catch_up = with_draft and catch_up
-            group.modes.observe(with_draft, len(ids), emitted, self.clock() - round_began, catch_up=catch_up)
+            group.modes.observe(with_draft, len(ids), emitted, seconds, catch_up=catch_up)
         group.drafter_current = with_draft or self._stream(g)
         self._account(out, latency, measuring)
         self._deliver(out)

@@ -57,6 +57,7 @@ def test_benchmark_job_reports_both_modes(tiny_chat, tiny_drafter, tmp_path):
             assert 0 < level["scheduler"]["budget_use"] <= 1.0
     no_spec = result["modes"]["no-spec"]["1"]["scheduler"]
     assert no_spec["acceptance_length"] == 1.0 and no_spec["drafted_share"] == 0
+    assert no_spec["drafting_excess"] == 0.0  # nothing drafted, nothing lost to it
     spec = result["modes"]["spec"]["1"]["scheduler"]
     assert spec["drafted_share"] > 0.5 and spec["acceptance_length"] >= 1.0  # fixed budgets: rounds draft
     assert result["modes"]["spec"]["1"]["scheduler"]["draft_call_ms"] > 0

@@ -218,6 +218,15 @@ def test_mode_chooser_starts_drafting_only_on_a_fresh_measurement_of_it():
     assert picks[first + 2] == (True, "best") and fresh.state()["4-7"]["choice"] == "drafted"
 
 
+def test_excess_prices_a_drafted_round_at_the_target_only_cost_of_its_tokens():
+    modes = ModeChooser()
+    assert modes.excess(4, tokens=8, seconds=0.3) is None  # target-only not measured at this batch size
+    modes.observe(False, 4, tokens=4, seconds=0.1)
+    assert modes.excess(4, tokens=8, seconds=0.3) == pytest.approx(0.1)  # 2 tokens each: 0.2 s target-only
+    assert modes.excess(5, tokens=15, seconds=0.2) == pytest.approx(-0.1)  # 3 each: drafting saved 0.1 s
+    assert modes.excess(8, tokens=8, seconds=0.3) is None  # another bucket
+
+
 def _simulated_share_drafted(modes: ModeChooser, accept: float, seed: int) -> float:
     """Concurrency 1: 48 requests of 64 tokens, each with its own per-step acceptance (mean `accept`, sd
     0.15); a drafted round (chain of 5) costs 95 ms, a target-only one 64 ms (the serving benchmark's)."""

@@ -274,6 +274,32 @@ def test_each_micro_batch_has_its_own_mode_chooser():
     assert not b.measured
 
 
+def test_drafted_rounds_excess_over_target_only_is_counted_from_the_clock():
+    """Each worker call takes one tick: a target-only round 1 tick for 1 token, a drafted round 2 (3 when it
+    catches up) for 1 + accepted tokens. The scheduler counts every round's time and what drafted rounds took
+    beyond target-only's cost for their tokens (ModeChooser.excess), from its first target-only measurement on."""
+    h = build(max_batch=1, micro_batches=1, adaptive=True, tick_s=1.0, context=400)
+    modes = h.scheduler.groups[0].modes
+    rounds, observe = [], modes.observe
+
+    def record(drafted, n, tokens, seconds, catch_up=False):
+        rounds.append((drafted, tokens, seconds, (False, 1) in modes.measured))
+        observe(drafted, n, tokens, seconds, catch_up)
+
+    modes.observe = record
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+
+    async def body(h):
+        await read(h, h.scheduler.submit([1, 2, 3], params))
+
+    run(h, body)
+    t = h.scheduler.meter.totals
+    expected = sum(seconds - tokens for drafted, tokens, seconds, plain in rounds if drafted and plain)
+    assert sum(d for d, *_ in rounds) >= 8 and any(not d for d, *_ in rounds)  # both modes ran
+    assert t["drafted_excess_s"] == pytest.approx(expected) and t["drafted_excess_s"] != 0
+    assert t["round_s"] == pytest.approx(sum(seconds for _, _, seconds, _ in rounds))
+
+
 def test_seeded_sampling_is_the_same_with_and_without_drafts_and_at_any_batch():
     prompts = _prompts(6)
     params = [SamplingParams(max_tokens=9, temperature=0.9, top_p=0.95, seed=s) for s in range(6)]
