@@ -82,6 +82,7 @@ class BudgetPolicy:
     calibration_decay: float = 0.98  # per round: a memory of ~50 rounds
     _accepted: float = 0.0
     _predicted: float = 0.0
+    _probes: int = 0
 
     def __post_init__(self) -> None:
         self.cost = self.cost or LinearCost()
@@ -95,6 +96,8 @@ class BudgetPolicy:
         n = len(sketches)
         trim = self.adaptive and not whole
         room = max(0, self.budget_tokens - n) if trim else n * self.max_nodes_per_request
+        if trim and self.cost.coefficients() is None:
+            room = self._probe_room(min(room, sum(min(len(p), self.max_nodes_per_request) for p, _ in sketches)))
         order = BestFirst([(parents.tolist(), scores.tolist()) for parents, scores in sketches])
         chosen: list[list[int]] = [[] for _ in sketches]
         expected, taken = 0.0, 0
@@ -113,6 +116,15 @@ class BudgetPolicy:
             expected += p
             taken += 1
         return [sorted(c) for c in chosen], expected
+
+    def _probe_room(self, room: int) -> int:
+        """Until the cost line is fitted (it needs rounds of different sizes), rounds verify an eighth, a quarter,
+        half and all of what they could, in turn. Verifying everything while the budget was full gave every round
+        the same size, and the line waited for the batch to change: Llama-3.1-8B on a simulated GB200 at 64 users
+        verified all 1024 tokens in 70 of 347 drafted rounds, and lost 10% to a fixed chain of 5."""
+        shift = 3 - self._probes % 4
+        self._probes += 1
+        return max(1, room >> shift)
 
     def _rate(self, n: int, expected: float, k: int, overhead_s: float) -> float | None:
         t = self.cost(n + k) if self.adaptive else None
