@@ -254,13 +254,13 @@ def gpu_plan(cfg: PlanConfig, out: Path) -> dict:
 
 def fixed_variants(setup: Setup) -> list[Setup]:
     """Fixed settings to hold an adaptive setup against: speculation off (same stack), chains of 1 to 5 drafted
-    every round, and the setup's own tree verified whole every round."""
+    every round, and the setup's own drafts (its tree or chain) verified whole every round."""
     fixed = setup.scheduler | {"adaptive": False}
     variants = [setup.model_copy(update={"name": "off", "kind": "target-only"})]
     for k in range(1, 6):
         chain = SpecConfig(method="chain", num_spec_tokens=k)
         variants.append(setup.model_copy(update={"name": f"chain {k}", "spec": chain, "scheduler": fixed}))
-    variants.append(setup.model_copy(update={"name": "tree, whole", "scheduler": fixed}))
+    variants.append(setup.model_copy(update={"name": "its drafts, whole", "scheduler": fixed}))
     return variants
 
 
