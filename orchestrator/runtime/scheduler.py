@@ -167,7 +167,6 @@ class Drafted:
     sketches: dict[str, tuple[list[int], list[float]]]  # request id -> its tree's (parent index, score) per node
     trees: object  # the draft trees the target verifies (a Ray ref between actors)
     trees_bytes: int
-    admitted: bool = False  # the call took in a request's prompt: a cost of admitting it, not of this round
 
 
 class SpecScheduler:
@@ -384,11 +383,7 @@ class SpecScheduler:
         excess = group.modes.excess(len(ids), emitted, seconds) if with_draft and self.cfg.adaptive else None
         self.meter.round_time(seconds, excess)
         if self.cfg.adaptive and not measuring:  # whole trees are not what the mode chooser would draft
-            # Nor is a round whose draft call took in new requests' prompts: the drafter reads a prompt once,
-            # whatever the mode. On a simulated GB200 at 64 users, the round where 64 prompts arrived took 20 ms
-            # against 7; read as the cost of drafting, it turned drafting off for 23 rounds (a fixed chain of 5
-            # then beat the adaptive tree by 8%).
-            catch_up = with_draft and (catch_up or drafted.admitted)
+            catch_up = with_draft and catch_up
             group.modes.observe(with_draft, len(ids), emitted, seconds, catch_up=catch_up)
         group.drafter_current = with_draft or self._stream(g)
         self._account(out, latency, measuring)
@@ -427,14 +422,13 @@ class SpecScheduler:
             return None
         latency = self.clock() - began
         group.to(Sync.IN_SYNC)
-        admitted = any(r.draft_pairs == 0 for rid in out.seen if (r := self.requests.get(rid)) is not None)
         self._took(out)
         self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
         self.meter.draft_call(latency, out.compute_s)
         self.meter.transfer("target_to_draft", out.pairs_bytes)
         self._span("draft", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
         sketches = {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}
-        return Drafted(sketches, trees_ref, out.trees_bytes, admitted)
+        return Drafted(sketches, trees_ref, out.trees_bytes)
 
     def _took(self, out) -> None:
         """What a propose call's answer says of the draft worker (a draft call's or a stream's)."""

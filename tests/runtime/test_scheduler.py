@@ -496,36 +496,3 @@ def test_streamed_states_spare_the_catch_up_when_drafting_resumes(stream):
         assert t["catch_ups"] <= 3 and t["draft_errors"] == 2
     else:
         assert t["catch_ups"] == drafted
-
-
-def test_a_round_whose_draft_took_in_new_prompts_is_not_measured():
-    """The drafter reads a new request's prompt once, in the first draft call after its prefill: a cost of
-    admitting it, whatever the mode. Measured as the cost of drafting, the round where 64 prompts arrived (20 ms
-    against 7 on a simulated GB200) turned drafting off for 23 rounds. The mode chooser skips such rounds."""
-    h = build(max_batch=4, micro_batches=1, adaptive=True)
-    modes = h.scheduler.groups[0].modes
-    modes.choose = lambda n: True
-    seen, observe = [], modes.observe
-
-    def record(drafted, n, tokens, seconds, catch_up=False):
-        fresh = [r.id for r in h.scheduler.requests.values() if r.id not in known]
-        known.update(fresh)
-        seen.append((n, bool(fresh), catch_up))
-        observe(drafted, n, tokens, seconds, catch_up)
-
-    known: set[str] = set()
-    modes.observe = record
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-
-    async def body(h):
-        first = h.scheduler.submit([1, 2, 3], params)
-        while len(seen) < 3:
-            await asyncio.sleep(0)
-        later = [h.scheduler.submit([4, 5, 6, 7], params), h.scheduler.submit([8, 9], params)]
-        await asyncio.gather(read(h, first), *[read(h, r) for r in later])
-
-    run(h, body)
-    assert len(seen) > 6
-    # a round is unmeasured exactly when a request it served was new to the drafter (its first draft call)
-    assert [catch_up for _, fresh, catch_up in seen] == [fresh for _, fresh, _ in seen]
-    assert sum(fresh for _, fresh, _ in seen) >= 2

@@ -88,7 +88,9 @@ def test_a_gpu_plan_simulates_every_setup_sizes_the_slo_and_logs_to_mlflow(tmp_p
     assert slo["disaggregated"]["gpus"] % 2 == 0  # target and drafter GPUs per replica
     assert {r["users"] for r in result["sweep"]} == {1, 4} and all(r["best"] > 0 for r in result["sweep"])
     # a chain-3 setup's policy is held against what it could choose: off, chains 1-3, its chain whole
-    assert all(r["policy_best"] in {"off", "chain 1", "chain 2", "chain 3", "its drafts, whole"} for r in result["sweep"])
+    assert all(
+        r["policy_best"] in {"off", "chain 1", "chain 2", "chain 3", "its drafts, whole"} for r in result["sweep"]
+    )
     assert all(r["policy_ratio"] >= r["ratio"] for r in result["sweep"])
     assert (out / "plan.md").is_file() and (out / "plan.png").is_file()
     from orchestrator.tracking.store import client
