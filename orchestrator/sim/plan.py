@@ -186,10 +186,15 @@ def _serve_args(path: str) -> tuple[dict, dict]:
     return args.get("spec", {}), args.get("scheduler", {})
 
 
+def _spec_of(setup: Setup) -> SpecConfig:
+    """What the setup drafts: its own spec, or its Serve config's."""
+    return setup.spec or SpecConfig.model_validate(_served(setup)[0])
+
+
 def _sim_config(cfg: PlanConfig, setup: Setup, workload: dict):
     from orchestrator.sim.run import SimConfig
 
-    served_spec, served_scheduler = _served(setup)
+    served_scheduler = _served(setup)[1]
     defaults = {"max_batch": cfg.max_batch, "request_timeout_s": 1e6} | served_scheduler
     if setup.kind == "colocated":  # vLLM's EAGLE: every round drafts its chain, one batch
         defaults |= {"adaptive": False, "micro_batches": 1}
@@ -198,7 +203,7 @@ def _sim_config(cfg: PlanConfig, setup: Setup, workload: dict):
     scheduler = SchedulerConfig.model_validate(defaults | setup.scheduler)
     return SimConfig(
         scheduler=scheduler,
-        spec=setup.spec or SpecConfig.model_validate(served_spec),
+        spec=_spec_of(setup),
         speculation=setup.kind != "target-only",
         costs=costs_of(cfg, setup),
         acceptance=cfg.acceptance,
@@ -275,9 +280,9 @@ def _sweep(cfg: PlanConfig) -> list[dict]:
         adaptive = SchedulerConfig.model_validate(_served(setup)[1] | setup.scheduler).adaptive
         if setup.kind != "disaggregated" or not adaptive:
             continue
-        depth = (setup.spec or SpecConfig.model_validate(_served(setup)[0])).shape()[0]
+        depth = _spec_of(setup).shape()[0]
         variants = fixed_variants(setup)
-        reach = {v.name for v in variants if v.spec is setup.spec or v.spec.shape()[0] <= depth}
+        reach = {v.name for v in variants if _spec_of(v).shape()[0] <= depth}
         for users in cfg.users:
             workload = _closed_loop(cfg, users)
             mine = simulate(_sim_config(cfg, setup, workload))["per_user_tok_s"]
