@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -190,7 +191,9 @@ class ModeChooser:
     and never restarted: with a short memory, a dip of acceptance switches drafting off and the next short probe,
     landing on a hard stretch as often as not, keeps it off (tests/runtime/test_policies.py). A drafted round
     that follows target-only ones is not measured (`catch_up`): the drafter first commits every state it
-    skipped, a cost of the stretch before it, not of drafting.
+    skipped, a cost of the stretch before it, not of drafting. A bucket serving target-only switches to drafting
+    only on a fresh measurement of it that spans `confirm_rounds` drafted rounds in a row (`_best`,
+    `_unconfirmed`): two rounds of a probe are too few to judge by.
 
     Probing is paid for from a budget. Each probe round adds the time it lost against the better mode to a debt:
     its seconds minus what its tokens would have taken at the better mode's rate, a catch-up round included.
@@ -205,6 +208,7 @@ class ModeChooser:
     yield_smoothing: float = 1 / 64
     max_backoff: int = 16
     probe_overhead: float = 0.02
+    confirm_rounds: int = 8
     debt: float = 0.0  # seconds probes lost that later rounds have not yet paid back (see the docstring)
     measured: dict[tuple[bool, int], Measured] = field(default_factory=dict)  # (drafted, bucket) -> its rounds
     backoff: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
@@ -212,6 +216,8 @@ class ModeChooser:
     why: str = "best"  # the last choice: "start" (a bucket's first measurements), "probe" or "best"
     chosen: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode it last chose (to log a switch)
     rounds: int = 0  # choices made
+    switches: deque = field(default_factory=lambda: deque(maxlen=16))  # the last switches, as /stats shows them
+    confirmed: dict[int, int] = field(default_factory=dict)  # bucket -> the round its last confirmation began
 
     def choose(self, n: int) -> bool:
         """True: draft this round."""
@@ -223,18 +229,22 @@ class ModeChooser:
             self.why = "start"
             return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
         if self.probe is None or self.probe.left == 0:
-            best = self._best(bucket)
-            if self.chosen.setdefault(bucket, best) != best:
-                self.chosen[bucket] = best
-                self._log_switch(bucket, best)
             if self.probe is not None:  # the last probe is over: did it change the choice in its bucket?
                 b, mode = self.probe.bucket, self.probe.mode
                 won = (self.rate(True, b) >= self.rate(False, b)) == mode
                 self.backoff[b] = 1 if won else min(self.max_backoff, 2 * self.backoff.get(b, 1))
                 self.probe = None
-            if self.rounds % (self.probe_every * self.backoff.get(bucket, 1)) or self.debt > 0:
+            best = self._best(bucket)
+            if self.chosen.setdefault(bucket, best) != best:
+                self.chosen[bucket] = best
+                self._log_switch(bucket, best)
+            if not best and (more := self._unconfirmed(bucket)):
+                self.probe = Probe(mode=True, bucket=bucket, left=more)
+                self.confirmed[bucket] = self.rounds
+            elif self.rounds % (self.probe_every * self.backoff.get(bucket, 1)) or self.debt > 0:
                 return best
-            self.probe = Probe(mode=not best, bucket=bucket, left=rounds)
+            else:
+                self.probe = Probe(mode=not best, bucket=bucket, left=rounds)
         self.probe.left -= 1
         self.why = "probe"
         return self.probe.mode
@@ -243,7 +253,7 @@ class ModeChooser:
         """What it has measured, per batch size (`/stats` shows it): each mode's tokens per request and round, its
         milliseconds per round and rounds measured, and the mode it chooses there; and the probing debt."""
         buckets = sorted({b for _, b in self.measured})
-        out: dict = {"debt_s": self.debt}
+        out: dict = {"debt_s": self.debt, "switches": list(self.switches)}
         for b in buckets:
             modes = {
                 name: {"tokens": m.tokens, "ms": 1e3 * m.seconds, "rounds": m.rounds}
@@ -259,6 +269,17 @@ class ModeChooser:
     def _log_switch(self, bucket: int, drafting: bool) -> None:
         """A switch of mode at a batch size, with what decided it (rare: at most once per probe)."""
         d, p = self.measured[(True, bucket)], self.measured[(False, bucket)]
+        self.switches.append(
+            {
+                "round": self.rounds,
+                "batches": _sizes(bucket),
+                "to": "drafted" if drafting else "target_only",
+                **{
+                    name: {"tokens": m.tokens, "ms": 1e3 * m.seconds, "rounds": m.rounds, "streak": m.streak}
+                    for name, m in (("drafted", d), ("target_only", p))
+                },
+            }
+        )
         log.info(
             "batches of %s requests now %s: drafted %.2f tokens per request in %.1f ms, target-only %.2f in %.1f ms",
             _sizes(bucket),
@@ -293,14 +314,31 @@ class ModeChooser:
         only on a fresh measurement of drafting. A drafted cost not measured for `probe_every` rounds was taken
         under another load: when users arrive, every round grows slower, target-only ones included, and a stale
         drafted cost measured at a lighter load then looks cheap. Switching on it drafted dozens of rounds at
-        16 users that each cost twice a target-only one (docs/benchmarks.md); the next probe refreshes it, and a
-        fresh measurement that wins switches at once. Going target-only needs no such proof: it is the
-        baseline, and a wrong switch costs only the drafter's gain until the next probe."""
+        16 users that each cost twice a target-only one (docs/benchmarks.md); the next probe refreshes it. And
+        the fresh measurement must span `confirm_rounds` drafted rounds in a row (`_unconfirmed` drafts the
+        rest at once). Going target-only needs no such proof: it is the baseline, and a wrong switch costs only
+        the drafter's gain until the next probe."""
         best = self.rate(True, bucket) >= self.rate(False, bucket)
         drafted = self.measured[(True, bucket)]
-        if best and not self.chosen.get(bucket, True) and self.rounds - drafted.last > self.probe_every:
-            return False
+        if best and not self.chosen.get(bucket, True):
+            fresh = self.rounds - drafted.last <= self.probe_every
+            return fresh and drafted.streak >= self.confirm_rounds
         return best
+
+    def _unconfirmed(self, bucket: int) -> int:
+        """Drafted rounds to measure before a bucket serving target-only may switch to drafting: drafting measured
+        faster there, freshly, but on fewer than `confirm_rounds` rounds in a row (0: none; at most one such
+        probe per bucket every `probe_every` rounds). A probe at batches of 4 or more is 2 rounds, a drafted
+        round's time varies by ~20% on this CPU, and target-only rounds at a batch size that users pass through
+        (a request ended, the next one not yet admitted) are slowed by the churn around them: where drafting
+        lost by 10-20%, one or two lucky drafted rounds switched to it, and it drafted by choice until its own
+        rounds pulled the mean back (41 rounds in one 4-user A/A level; docs/benchmarks.md)."""
+        drafted = self.measured[(True, bucket)]
+        if self.rate(True, bucket) < self.rate(False, bucket) or self.rounds - drafted.last > self.probe_every:
+            return 0
+        if self.rounds - self.confirmed.get(bucket, -self.probe_every - 1) <= self.probe_every:
+            return 0
+        return max(0, self.confirm_rounds - drafted.streak)
 
     def excess(self, n: int, tokens: int, seconds: float) -> float | None:
         """Seconds a drafted round of `n` requests that yielded `tokens` took beyond what target-only rounds
