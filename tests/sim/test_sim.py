@@ -223,6 +223,35 @@ def test_a_drafter_that_does_not_pay_at_16_users_costs_little_once_answers_end_a
     assert on["per_user_tok_s"] / off["per_user_tok_s"] < 0.97
 
 
+@pytest.mark.parametrize("users", [1, 4, 16])
+def test_a_weak_drafter_costs_at_most_3_percent_simulated(users):
+    """Item 5's goal, simulated: this CPU's fitted costs (as above), a drafter that accepts little (chain 0.22,
+    0.08, 0.03: the chitchat drafter on MT-Bench), prompts of 60-200 tokens and answers of 32-96. Speculation on
+    costs at most 3% against off at 1, 4 and 16 users (0.988 at each, 3 seeds, 2026-12-06)."""
+    costs = CostModel(
+        target=StepCost(fixed_s=0.058, tree_s=0.019, per_token_s=0.0021, per_context_s=2.7e-5),
+        prefill=StepCost(fixed_s=0.118, per_token_s=0.0011, per_context_s=0.0011),
+        draft=StepCost(per_token_s=0.00048, per_context_s=2.3e-5),
+        aux_bytes_per_token=6920,
+    )
+
+    def run(speculation: bool) -> dict:
+        workload = {"users": users, "requests": 20 * users + 40, "warmup": users, "max_tokens": 96}
+        cfg = SimConfig(
+            costs=costs,
+            acceptance=AcceptanceProfile(chain=[0.22, 0.08, 0.03]),
+            speculation=speculation,
+            spec={"method": "tree", "depth": 4, "topk": 2, "budget": 8},
+            scheduler={"max_batch": 16, "budget_tokens": 48, "micro_batches": 1},
+            workload=workload | {"prompt_tokens": list(range(60, 201, 10)), "answer_tokens": list(range(32, 97))},
+        )
+        return simulate(cfg)
+
+    on, off = run(True), run(False)
+    assert on["per_user_tok_s"] / off["per_user_tok_s"] >= 0.97
+    assert on["drafted_share"] < 0.05
+
+
 def test_streamed_states_spare_catch_ups_over_a_thin_link():
     """`stream_states` over a 5 Mbit/s draft link, 16 users, this CPU's costs: target-only rounds send their
     states as they come, so drafting resumes with one round's states instead of every skipped one (catch-ups: the
