@@ -321,9 +321,12 @@ class ModeChooser:
         best = self.rate(True, bucket) >= self.rate(False, bucket)
         drafted = self.measured[(True, bucket)]
         if best and not self.chosen.get(bucket, True):
-            fresh = self.rounds - drafted.last <= self.probe_every
-            return fresh and drafted.streak >= self.confirm_rounds
+            return self._recent(drafted.last) and drafted.streak >= self.confirm_rounds
         return best
+
+    def _recent(self, round_: int) -> bool:
+        """Whether `round_` lies within the last `probe_every` choices (a measurement from then is fresh)."""
+        return self.rounds - round_ <= self.probe_every
 
     def _unconfirmed(self, bucket: int) -> int:
         """Drafted rounds to measure before a bucket serving target-only may switch to drafting: drafting measured
@@ -334,9 +337,9 @@ class ModeChooser:
         lost by 10-20%, one or two lucky drafted rounds switched to it, and it drafted by choice until its own
         rounds pulled the mean back (41 rounds in one 4-user A/A level; docs/benchmarks.md)."""
         drafted = self.measured[(True, bucket)]
-        if self.rate(True, bucket) < self.rate(False, bucket) or self.rounds - drafted.last > self.probe_every:
+        if self.rate(True, bucket) < self.rate(False, bucket) or not self._recent(drafted.last):
             return 0
-        if self.rounds - self.confirmed.get(bucket, -self.probe_every - 1) <= self.probe_every:
+        if bucket in self.confirmed and self._recent(self.confirmed[bucket]):
             return 0
         return max(0, self.confirm_rounds - drafted.streak)
 
@@ -367,7 +370,7 @@ class ModeChooser:
                 self.probe.left += 1
             return
         m = self.measured.setdefault((drafted, n.bit_length()), Measured(per_request, seconds))
-        if self.rounds - m.last > self.probe_every:
+        if not self._recent(m.last):
             m.streak = 0  # stale: start afresh
         a = max(self.smoothing, 1.0 / (m.streak + 1))  # a fresh streak: its running mean
         y = max(self.yield_smoothing, 1.0 / (m.rounds + 1))  # the running mean of every round, then a long EMA
