@@ -37,15 +37,21 @@ PLACEMENT = [  # the GB200 manifests' node groups (clusters/gb200-raycluster.yam
 ]
 
 
+PINNED = {"target": (0,), "draft": (1,), "head": (1,)}  # --pin: the target's node alone on a core
+
+
 def measure(cluster, url: str, headers: dict, prompts: list[dict], seconds: float, users: int, max_tokens: int):
     """Steady load for `seconds`: the load's summary, what the scheduler did, and the draft link's bytes."""
     import httpx
 
     from orchestrator.benchmarks.load import steady_load
     from orchestrator.benchmarks.serving import scheduler_delta
+    from orchestrator.netcluster import cpu_between
 
     before, link0 = httpx.get(f"{url}/stats", headers=headers, timeout=60).json(), cluster.link_bytes("draft")
+    cpu0 = {node: cluster.cpu_seconds(node) for node in cluster.nodes}
     load = asyncio.run(steady_load(url, prompts, users, seconds, max_tokens, headers))
+    cpu1 = {node: cluster.cpu_seconds(node) for node in cluster.nodes}
     after, link1 = httpx.get(f"{url}/stats", headers=headers, timeout=60).json(), cluster.link_bytes("draft")
     sched = scheduler_delta(before, after)
     rounds = max(1, sched["rounds"])
@@ -57,8 +63,13 @@ def measure(cluster, url: str, headers: dict, prompts: list[dict], seconds: floa
         "spec_round_share": sched["spec_round_share"],
         "draft_call_ms": sched.get("draft_call_ms"),
         "acceptance_length": sched["acceptance_length"],
+        "drafted_by": sched["drafted_by"],  # why rounds drafted: probe, best (by choice), measuring; catch-ups
+        "drafting_excess": sched["drafting_excess"],  # drafted rounds' time beyond target-only's, a share of all
         "link_bytes_per_round": link,
         "counted_bytes_per_round": counted,
+        # where the CPU went: each node's processes' CPU time per round (the nodes share this machine's cores
+        # unless --pin gives each its own)
+        "cpu_ms_per_round": {node: 1e3 * cpu_between(cpu0[node], cpu1[node]) / rounds for node in cpu1},
     }
 
 
@@ -81,9 +92,11 @@ def run(args: argparse.Namespace) -> dict:
     rates = [None if r in ("none", "") else float(r) for r in args.rates.split(",")]
     result: dict = {"rates_mbit": rates, "users": args.users, "seconds": args.seconds, "rows": []}
     arms = [("target only", ["speculation=false"], [None]), ("speculation", [], rates)]
-    with NetCluster(env) as cluster:
-        cluster.add_node("target", {"target": 1})
-        cluster.add_node("draft", {"draft": 1})
+    cores = PINNED if args.pin else {}
+    result["cores"] = cores
+    with NetCluster(env, head_cores=cores.get("head")) as cluster:
+        cluster.add_node("target", {"target": 1}, cores=cores.get("target"))
+        cluster.add_node("draft", {"draft": 1}, cores=cores.get("draft"))
         for repeat in range(args.repeats):
             for arm, extra, arm_rates in arms if repeat % 2 == 0 else arms[::-1]:
                 overrides = [f"model={model}", *PLACEMENT, *extra]
@@ -120,8 +133,17 @@ def format_row(row: dict) -> str:
         f"{row['arm']:<12} {rate:>14}: {row['load']['per_user_tok_s']:6.2f} tok/s per user, "
         f"{row['load']['failed']} failed, drafted {100 * row['spec_round_share']:3.0f}% of rounds, "
         f"{row['ms_per_round']:5.1f} ms/round, link {row['link_bytes_per_round'] / 1e3:6.1f} kB/round "
-        f"(counted {row['counted_bytes_per_round'] / 1e3:.1f})"
+        f"(counted {row['counted_bytes_per_round'] / 1e3:.1f}), CPU ms/round {_cpu(row['cpu_ms_per_round'])}, "
+        f"drafted by {_why(row.get('drafted_by') or {})}"
     )
+
+
+def _why(drafted_by: dict) -> str:
+    return ", ".join(f"{why} {n}" for why, n in drafted_by.items() if n) or "none"
+
+
+def _cpu(per_node: dict) -> str:
+    return " / ".join(f"{node} {ms:.0f}" for node, ms in per_node.items())
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -152,6 +174,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "draft_call_ms": statistics.mean(call) if call else None,
                 "link_bytes_per_round": statistics.mean(r["link_bytes_per_round"] for r in runs),
                 "counted_bytes_per_round": statistics.mean(r["counted_bytes_per_round"] for r in runs),
+                "cpu_ms_per_round": {
+                    node: statistics.mean(r["cpu_ms_per_round"][node] for r in runs)
+                    for node in runs[0]["cpu_ms_per_round"]
+                },
             }
         )
     return out
@@ -160,8 +186,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 def table(summary: list[dict]) -> str:
     lines = [
         "| arm | draft link | per-user tok/s | vs target-only [95%] | failed / requests | rounds drafted | ms/round "
-        "| draft call ms | link kB/round | counted kB/round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| draft call ms | link kB/round | counted kB/round | CPU ms/round by node |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
         rate = "unlimited" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s"
@@ -173,7 +199,8 @@ def table(summary: list[dict]) -> str:
         lines.append(
             f"| {r['arm']} | {rate} | {r['per_user_tok_s']:.2f} | {ratio} | {r['failed']} / {r['requests']} "
             f"| {100 * r['spec_round_share']:.0f}% | {r['ms_per_round']:.1f} | {call} "
-            f"| {r['link_bytes_per_round'] / 1e3:.1f} | {r['counted_bytes_per_round'] / 1e3:.1f} |"
+            f"| {r['link_bytes_per_round'] / 1e3:.1f} | {r['counted_bytes_per_round'] / 1e3:.1f} "
+            f"| {_cpu(r['cpu_ms_per_round'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -193,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=4, help="streaming clients at once")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=_positive, default=1, help="the whole sequence again, every other time reversed")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="give the target node core 0 and the draft node and the head core 1 (taskset), as machines of their own",
+    )
     p.add_argument("--out", default="runs/cluster-demo")
     args = p.parse_args(argv)
     return exit_status(lambda: run(args))

@@ -59,6 +59,7 @@ class Node:
     resources: dict = field(default_factory=dict)
     num_cpus: float = 1
     head: bool = False
+    cores: tuple[int, ...] | None = None  # the CPU cores its processes may run on (None: any), as a machine's own
 
     @property
     def netns(self) -> str:
@@ -81,11 +82,11 @@ class NetCluster:
         cluster.link_bytes("draft")           # {rx, tx}: bytes its link carried (as the node sees them)
     """
 
-    def __init__(self, env: dict | None = None, head_cpus: float = 0) -> None:
+    def __init__(self, env: dict | None = None, head_cpus: float = 0, head_cores: tuple[int, ...] | None = None):
         self.env = dict(env or os.environ)
         self.nodes: dict[str, Node] = {}
         self._procs: list[subprocess.Popen] = []
-        self._head_cpus = head_cpus
+        self._head_cpus, self._head_cores = head_cpus, head_cores
         self._lock = None
 
     # -- availability ----------------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ class NetCluster:
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("addr", "add", f"{HOST_IP}/24", "dev", BRIDGE)
         _ip("link", "set", BRIDGE, "up")
-        self._add(Node("head", f"{SUBNET}.10", {}, self._head_cpus, head=True))
+        self._add(Node("head", f"{SUBNET}.10", {}, self._head_cpus, head=True, cores=self._head_cores))
 
     def stop(self) -> None:
         """Every node's processes, namespaces and links, and the bridge."""
@@ -156,16 +157,19 @@ class NetCluster:
             self._lock.close()
             self._lock = None
 
-    def add_node(self, name: str, resources: dict | None = None, num_cpus: float = 1) -> Node:
+    def add_node(
+        self, name: str, resources: dict | None = None, num_cpus: float = 1, cores: tuple[int, ...] | None = None
+    ) -> Node:
         """A worker node joining the head (a new namespace; a killed node's name may be used again: the
-        replacement gets the same address)."""
+        replacement gets the same address). `cores`: the CPU cores every process of the node may use (taskset),
+        so that nodes do not take each other's CPU as separate machines would not."""
         if name in self.nodes and self.ray_alive(name):
             raise AerieError(f"node {name} is already running")
         old = self.nodes.pop(name, None)
         if old is not None:
             self._remove_netns(old)
         ip = old.ip if old is not None else f"{SUBNET}.{10 + len(self.nodes)}"
-        return self._add(Node(name, ip, dict(resources or {}), num_cpus))
+        return self._add(Node(name, ip, dict(resources or {}), num_cpus, cores=cores))
 
     def _add(self, node: Node) -> Node:
         _ip("netns", "add", node.netns)
@@ -199,8 +203,10 @@ class NetCluster:
     # -- what runs on a node ---------------------------------------------------------------------------------
 
     def command(self, node: str, cmd: list[str]) -> list[str]:
-        """`cmd` run in `node`'s network namespace."""
-        return ["ip", "netns", "exec", self.nodes[node].netns, *cmd]
+        """`cmd` run in `node`'s network namespace (and on its cores, where it has its own)."""
+        n = self.nodes[node]
+        pin = ["taskset", "-c", ",".join(map(str, n.cores))] if n.cores else []
+        return ["ip", "netns", "exec", n.netns, *pin, *cmd]
 
     def run(self, node: str, cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -256,6 +262,18 @@ class NetCluster:
                 )
                 if proc.returncode != 0:
                     raise AerieError(f"tc on {dev}: {proc.stderr.strip()}")
+
+    def cpu_seconds(self, node: str) -> dict[int, float]:
+        """CPU seconds (user + system) each live process of the node has used so far, by pid: the difference of
+        two readings is the node's CPU time between them (`cpu_between`)."""
+        import psutil
+
+        out = {}
+        for pid in self.pids(node):
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(pid).cpu_times()
+                out[pid] = t.user + t.system
+        return out
 
     def link_bytes(self, node: str) -> dict[str, int]:
         """Bytes the node's link has carried, as the node sees them: rx (to it), tx (from it); Ethernet frames."""
@@ -345,6 +363,12 @@ class ClusterServer:
             self.proc.kill()
         shutdown = f"import ray; from ray import serve; ray.init(address='{self.cluster.address}'); serve.shutdown()"
         self.cluster.run("head", [sys.executable, "-c", shutdown], timeout=180)
+
+
+def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """The CPU seconds a node's processes used between two `cpu_seconds` readings: each process alive at both by
+    its difference, one started between them by all of its time (one that ended between them is not counted)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
 
 def ray_token_env() -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.cluster_demo import summarize, table
+from orchestrator.netcluster import NetCluster, Node, cpu_between
 
 
 def row(arm: str, rate, repeat: int, tok_s: float, drafted: float = 0.0, call=None) -> dict:
@@ -18,6 +19,7 @@ def row(arm: str, rate, repeat: int, tok_s: float, drafted: float = 0.0, call=No
         "draft_call_ms": call,
         "link_bytes_per_round": 2000.0,
         "counted_bytes_per_round": 1900.0,
+        "cpu_ms_per_round": {"head": 5.0, "target": 40.0 + repeat, "draft": 30.0 * drafted},
     }
 
 
@@ -48,8 +50,24 @@ def test_each_rate_is_paired_with_the_target_only_run_of_its_own_repeat():
     assert lines[2].startswith("| target only | unlimited | 7.50 | baseline | 0 / 20 | 0% |")
     assert lines[3].startswith("| speculation | unlimited | 11.25 | 1.50x [1.50, 1.50] | 0 / 20 | 80% |")
     assert lines[4].startswith("| speculation | 5 Mbit/s | 7.50 | 1.00x [1.00, 1.00] |")
+    assert lines[3].endswith("| head 5 / target 40 / draft 24 |")  # each node's CPU per round, over the repeats
 
 
 def test_one_repeat_gives_a_ratio_without_an_interval():
     summary = summarize([row("target only", None, 0, 10.0), row("speculation", 100.0, 0, 9.0, 0.1, 60.0)])
     assert "0.90x (n=1)" in table(summary)
+
+
+def test_a_nodes_cpu_time_between_two_readings():
+    # pid 1 ran 2 s more, pid 2 started between the readings (all its time counts), pid 3 ended (not counted)
+    assert cpu_between({1: 10.0, 3: 4.0}, {1: 12.0, 2: 0.5}) == pytest.approx(2.5)
+
+
+def test_a_node_with_cores_of_its_own_runs_its_commands_on_them():
+    cluster = NetCluster({})
+    cluster.nodes["target"] = Node("target", "198.51.100.11", cores=(0,))
+    cluster.nodes["draft"] = Node("draft", "198.51.100.12")
+    assert cluster.command("target", ["ray", "start"]) == [
+        *("ip", "netns", "exec", "aerie-target", "taskset", "-c", "0", "ray", "start")
+    ]
+    assert cluster.command("draft", ["ray", "start"]) == ["ip", "netns", "exec", "aerie-draft", "ray", "start"]
