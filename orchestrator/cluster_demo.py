@@ -1,7 +1,7 @@
 """`make cluster-demo`: the disaggregated server across three nodes of this machine (orchestrator/netcluster.py:
 network namespaces on a bridge, needs root), and what a thin link between the target and the draft node costs.
 
-    python -m orchestrator.cluster_demo [--rates none,1000,100,20,5] [--seconds 40] [--users 4] [--repeats 1]
+    python -m orchestrator.cluster_demo [--rates none,1000,100,20,5] [--seconds 40] [--users 4] [--repeats 1] [--pin]
 
 It serves SmolLM2-135M-Instruct with the committed drafter (configs/smollm2-135m/serve.yaml) with the target worker
 and the scheduler on the target node, the drafter on the draft node and the router on the head, prints which actor
@@ -10,8 +10,9 @@ each rate of the draft node's link (tc's token bucket, both directions). `--repe
 in reverse order every other time (target-only and speculation, the rates too), so the machine's drift falls on
 both sides. Per rate: per-user tokens/s and its ratio to target-only (each repeat paired with the target-only run
 of the same repeat; a bootstrap interval over those pairs), the share of rounds that drafted (the mode chooser
-stops drafting where it does not pay), the draft call's time, and the bytes per round on the link against the
-scheduler's counters. Writes runs/cluster-demo/result.json and table.md.
+stops drafting where it does not pay) and why they drafted, the draft call's time, the bytes per round on the
+link against the scheduler's counters, and each node's CPU time per round (`--pin` gives each node cores of its
+own, as separate machines have). Writes runs/cluster-demo/result.json and table.md.
 """
 
 from __future__ import annotations
