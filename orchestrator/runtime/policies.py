@@ -191,8 +191,7 @@ class ModeChooser:
     and never restarted: with a short memory, a dip of acceptance switches drafting off and the next short probe,
     landing on a hard stretch as often as not, keeps it off (tests/runtime/test_policies.py). A drafted round
     that follows target-only ones is not measured (`catch_up`): the drafter first commits every state it
-    skipped, a cost of the stretch before it, not of drafting; except at a batch size whose drafted rounds are
-    all catch-ups (`_measure_catch_up`). A bucket serving target-only switches to drafting
+    skipped, a cost of the stretch before it, not of drafting. A bucket serving target-only switches to drafting
     only on a fresh measurement of it that spans `confirm_rounds` drafted rounds in a row (`_best`,
     `_unconfirmed`): two rounds of a probe are too few to judge by.
 
@@ -219,7 +218,6 @@ class ModeChooser:
     rounds: int = 0  # choices made
     switches: deque = field(default_factory=lambda: deque(maxlen=16))  # the last switches, as /stats shows them
     confirmed: dict[int, int] = field(default_factory=dict)  # bucket -> the round its last confirmation began
-    start_catch_ups: dict[int, int] = field(default_factory=dict)  # bucket -> its first rounds not measured
 
     def choose(self, n: int) -> bool:
         """True: draft this round."""
@@ -355,26 +353,6 @@ class ModeChooser:
             return None
         return seconds - tokens / max(1, n) * plain.seconds / max(plain.tokens, 1e-6)
 
-    def _measure_catch_up(self, bucket: int) -> bool:
-        """Whether a catch-up round is measured after all. A probe's is not: the probe gets a round more, and the
-        round after it, in step with the drafter, is measured instead. A bucket's first drafted rounds ("start")
-        are drafted only at its own batch size, and where that size is one users pass through (a request ended,
-        the next not yet admitted), the round before was target-only at another size, so each of them is a
-        catch-up: not measured, the bucket never had its first measurements and drafted a catch-up at every
-        visit, for as long as the server ran (3 per 20 s at 4 users across nodes, each a stall on a thin link;
-        docs/operating/nodes.md). So once a bucket's start has skipped as many catch-ups as it has start rounds,
-        they are measured as they are: drafting at that batch size comes with a catch-up."""
-        if self.why == "probe":
-            self.probe.left += 1
-            return False
-        if self.why != "start":
-            return False
-        skipped = self.start_catch_ups.get(bucket, 0)
-        if skipped < max(2, self.probe_rounds // bucket):
-            self.start_catch_ups[bucket] = skipped + 1
-            return False
-        return True
-
     def rate(self, drafted: bool, bucket: int) -> float:
         """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""
         m = self.measured[(drafted, bucket)]
@@ -387,7 +365,9 @@ class ModeChooser:
     def observe(self, drafted: bool, n: int, tokens: int, seconds: float, catch_up: bool = False) -> None:
         per_request = tokens / max(1, n)  # comparable across the batch sizes of one bucket
         self._account(n.bit_length(), per_request, seconds)
-        if catch_up and not self._measure_catch_up(n.bit_length()):
+        if catch_up:  # measure the round after it instead (a catch-up round is drafted: a probe of drafting)
+            if self.why == "probe":
+                self.probe.left += 1
             return
         m = self.measured.setdefault((drafted, n.bit_length()), Measured(per_request, seconds))
         if not self._recent(m.last):
