@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import statistics
 import sys
@@ -94,6 +95,8 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"rates_mbit": rates, "users": args.users, "seconds": args.seconds, "rows": []}
     arms = [("target only", ["speculation=false"], [None]), ("speculation", [], rates)]
     cores = PINNED if args.pin else {}
+    if cores and not {c for node in cores.values() for c in node} <= os.sched_getaffinity(0):
+        raise AerieError(f"--pin needs cores 0 and 1; this process may use {sorted(os.sched_getaffinity(0))}")
     result["cores"] = cores
     with NetCluster(env, head_cores=cores.get("head")) as cluster:
         cluster.add_node("target", {"target": 1}, cores=cores.get("target"))
@@ -135,7 +138,7 @@ def format_row(row: dict) -> str:
         f"{row['load']['failed']} failed, drafted {100 * row['spec_round_share']:3.0f}% of rounds, "
         f"{row['ms_per_round']:5.1f} ms/round, link {row['link_bytes_per_round'] / 1e3:6.1f} kB/round "
         f"(counted {row['counted_bytes_per_round'] / 1e3:.1f}), CPU ms/round {_cpu(row['cpu_ms_per_round'])}, "
-        f"drafted by {_why(row.get('drafted_by') or {})}"
+        f"drafted by {_why(row['drafted_by'])}"
     )
 
 
