@@ -191,7 +191,8 @@ class ModeChooser:
     and never restarted: with a short memory, a dip of acceptance switches drafting off and the next short probe,
     landing on a hard stretch as often as not, keeps it off (tests/runtime/test_policies.py). A drafted round
     that follows target-only ones is not measured (`catch_up`): the drafter first commits every state it
-    skipped, a cost of the stretch before it, not of drafting. A bucket serving target-only switches to drafting
+    skipped, a cost of the stretch before it, not of drafting; except at a batch size whose drafted rounds are
+    all catch-ups (`_measure_catch_up`). A bucket serving target-only switches to drafting
     only on a fresh measurement of it that spans `confirm_rounds` drafted rounds in a row (`_best`,
     `_unconfirmed`): two rounds of a probe are too few to judge by.
 
@@ -218,13 +219,14 @@ class ModeChooser:
     rounds: int = 0  # choices made
     switches: deque = field(default_factory=lambda: deque(maxlen=16))  # the last switches, as /stats shows them
     confirmed: dict[int, int] = field(default_factory=dict)  # bucket -> the round its last confirmation began
+    start_catch_ups: dict[int, int] = field(default_factory=dict)  # bucket -> catch-ups among its first rounds
 
     def choose(self, n: int) -> bool:
         """True: draft this round."""
         bucket = n.bit_length()
         self.rounds += 1
         self.why = "best"
-        rounds = max(2, self.probe_rounds // bucket)
+        rounds = self._start_rounds(bucket)
         if self._count(True, bucket) < rounds or self._count(False, bucket) < rounds:
             self.why = "start"
             return self._count(True, bucket) < rounds  # measure drafted rounds first, then target-only ones
@@ -303,7 +305,11 @@ class ModeChooser:
 
     def _charge_start(self, bucket: int) -> None:
         """Both modes of a bucket are measured for the first time: the rounds spent on the losing one go into the
-        debt like a probe's (so the first probe waits until they are paid back)."""
+        debt like a probe's (so the first probe waits until they are paid back). Not where the drafted ones were
+        catch-ups (`_measure_catch_up`): their cost is the stretch before them, and one after a lost drafter
+        carries whole histories (seconds), which charged as start rounds held every probe back for minutes."""
+        if self.start_catch_ups.get(bucket, 0) > self._start_rounds(bucket):
+            return
         drafted, plain = self.measured[(True, bucket)], self.measured[(False, bucket)]
         best = max(self.rate(True, bucket), self.rate(False, bucket))
         loser = drafted if self.rate(True, bucket) < best else plain
@@ -353,6 +359,28 @@ class ModeChooser:
             return None
         return seconds - tokens / max(1, n) * plain.seconds / max(plain.tokens, 1e-6)
 
+    def _measure_catch_up(self, bucket: int) -> bool:
+        """Whether a catch-up round is measured after all. A probe's is not: the probe gets a round more, and the
+        round after it, in step with the drafter, is measured instead. A bucket's first drafted rounds ("start")
+        are drafted only at its own batch size, and where that size is one users pass through (a request ended,
+        the next not yet admitted), the round before was target-only at another size, so each of them is a
+        catch-up: not measured, the bucket never had its first measurements and drafted a catch-up at every
+        visit, for as long as the server ran (3 per 20 s at 4 users across nodes, each a stall on a thin link;
+        docs/operating/nodes.md). So once a bucket's start has skipped as many catch-ups as it has start rounds,
+        they are measured as they are: drafting at that batch size comes with a catch-up."""
+        if self.why == "probe":
+            self.probe.left += 1
+            return False
+        if self.why != "start":
+            return False
+        skipped = self.start_catch_ups.get(bucket, 0)
+        self.start_catch_ups[bucket] = skipped + 1
+        return skipped >= self._start_rounds(bucket)
+
+    def _start_rounds(self, bucket: int) -> int:
+        """Rounds of each mode a bucket measures first, and a probe's length there (larger batches average more)."""
+        return max(2, self.probe_rounds // bucket)
+
     def rate(self, drafted: bool, bucket: int) -> float:
         """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""
         m = self.measured[(drafted, bucket)]
@@ -365,9 +393,7 @@ class ModeChooser:
     def observe(self, drafted: bool, n: int, tokens: int, seconds: float, catch_up: bool = False) -> None:
         per_request = tokens / max(1, n)  # comparable across the batch sizes of one bucket
         self._account(n.bit_length(), per_request, seconds)
-        if catch_up:  # measure the round after it instead (a catch-up round is drafted: a probe of drafting)
-            if self.why == "probe":
-                self.probe.left += 1
+        if catch_up and not self._measure_catch_up(n.bit_length()):
             return
         m = self.measured.setdefault((drafted, n.bit_length()), Measured(per_request, seconds))
         if not self._recent(m.last):

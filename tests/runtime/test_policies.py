@@ -319,3 +319,61 @@ def test_probing_a_mode_that_keeps_losing_costs_at_most_its_overhead_budget():
         lost = _time_lost_to_probes(ModeChooser(), drafted_s, catch_up_s)
         assert lost < 0.03, (drafted_s, catch_up_s, lost)
     assert _time_lost_to_probes(ModeChooser(probe_overhead=1e9), 0.5, 1.0) > 0.05  # the budget is what bounds it
+
+
+def _first_rounds_at_passing_batch_sizes(
+    modes: ModeChooser, rounds: int = 4000, seed: int = 0, passing_catch_up_s: float = 1.0
+) -> tuple[float, int, int]:
+    """4 users: most rounds hold 4 requests, one in ten 1-3 (a request ended, the next not yet admitted). Drafting
+    never pays (0.2 s against target-only's 0.1 s), and a drafted round after a target-only one is a catch-up that
+    takes 1 s (`passing_catch_up_s` at 1-3 requests). The rounds drafted as a bucket's start, the share of time
+    lost against never drafting in the last 2,000 rounds (the steady state), and the probes begun in them."""
+    rng = random.Random(seed)
+    spent, last, starts, probes = 0.0, False, 0, 0
+    for r in range(rounds):
+        n = rng.choice([1, 2, 3]) if rng.random() < 0.1 else 4
+        probe = modes.probe
+        draft = modes.choose(n)
+        starts += draft and modes.why == "start"
+        probes += modes.probe is not probe and modes.probe is not None and r >= rounds - 2000
+        catch_up = draft and not last
+        seconds = ((passing_catch_up_s if n < 4 else 1.0) if catch_up else 0.2) if draft else 0.1
+        modes.observe(draft, n, n, seconds, catch_up=catch_up)
+        spent, last = spent + seconds * (r >= rounds - 2000), draft
+    return spent / (0.1 * 2000) - 1, starts, probes
+
+
+def test_a_batch_size_users_only_pass_through_ends_its_start():
+    """A bucket's first drafted rounds come only at its own batch size. At a size users pass through, the round
+    before was target-only at another size, so each was a catch-up, not measured: the start never ended and drafted
+    a catch-up at every visit (the namespace cluster: 3 per 20 s, for as long as the server ran). Now its catch-ups
+    are measured once it has skipped as many as it has start rounds."""
+
+    class Unbounded(ModeChooser):
+        def _measure_catch_up(self, bucket: int) -> bool:
+            if self.why == "probe":
+                self.probe.left += 1
+            return False
+
+    lost_before, starts_before, _ = _first_rounds_at_passing_batch_sizes(Unbounded())
+    lost, starts, _ = _first_rounds_at_passing_batch_sizes(ModeChooser())
+    # start rounds: 6 at 1 request, 3 at 2-3, 2 at 4-7, and as many catch-ups skipped at most
+    assert starts <= 2 * (6 + 3 + 2) < starts_before, (starts, starts_before)
+    assert lost < 0.03 < lost_before, (lost, lost_before)  # the probes' 2% budget, once the starts have ended
+
+
+def test_measured_start_catch_ups_stay_out_of_the_probing_debt():
+    """A start's catch-ups measured at a passing batch size cost what the stretch before them cost, not drafting:
+    after a lost drafter one carries whole histories (seconds). Charged as the start's loss (its rounds times its
+    mean), 30 s at 2% of 0.1 s rounds held every probe back for the rest of the run, and a drafter that began to
+    pay would not have been noticed; not charged, the probes go on at their usual pace."""
+
+    class Charged(ModeChooser):
+        def _charge_start(self, bucket: int) -> None:
+            self.start_catch_ups.pop(bucket, None)
+            super()._charge_start(bucket)
+
+    _, _, probes_charged = _first_rounds_at_passing_batch_sizes(Charged(), passing_catch_up_s=5.0)
+    lost, _, probes = _first_rounds_at_passing_batch_sizes(ModeChooser(), passing_catch_up_s=5.0)
+    assert probes_charged == 0 < probes, (probes_charged, probes)
+    assert lost < 0.03, lost
