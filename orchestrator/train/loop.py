@@ -8,7 +8,6 @@ worker r of W: ShardReader(train, rank=r) -> batches of <= batch_tokens -> Draft
 
 from __future__ import annotations
 
-import ctypes
 import math
 import resource
 import tempfile
@@ -182,24 +181,11 @@ def _to(batch: Batch, device) -> Batch:
     )
 
 
-def fixed_mmap_threshold(limit: int = 1 << 16) -> bool:
-    """Host allocations of `limit` bytes or more come from the OS and go back to it when freed (glibc; False
-    elsewhere). By default glibc raises this threshold to the size of each mmapped block freed (up to 32 MiB),
-    after which a step's tensors, of another shape every step, come from its heap, which fragments and is not
-    returned: a training worker's RSS grew from 5.5 to 16 GB over 550 steps in each broad run until one was
-    killed for memory (docs/benchmarks.md)."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, limit))  # M_MMAP_THRESHOLD; fixing it stops the raising
-    except (OSError, AttributeError):
-        return False
-
-
 def train_loop_per_worker(config: dict) -> None:
     import ray.train
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    fixed_mmap_threshold()
     cfg = TrainConfig.model_validate(config["train"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
