@@ -183,6 +183,9 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra_config: dict | Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     save_file(drafter_tensors(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # mkdtemp's 0700 and safetensors' 0600 would keep a server running as another user from the drafter
+    tmp.chmod(0o755)
+    (tmp / "model.safetensors").chmod(0o644)
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old")
         os.replace(out_dir, old)

@@ -41,6 +41,14 @@ def test_round_trip_is_exact(tmp_path, target, name):
         assert torch.equal(a.logits, b.logits) and torch.equal(a.next_hidden, b.next_hidden)
 
 
+def test_a_saved_drafter_is_readable_by_other_users(tmp_path, target):
+    """A drafter is published for servers that may run as another user: not mkdtemp's 0700."""
+    out = save_drafter(random_drafter(target.hf_config, "eagle3.1", draft_vocab_size=40), tmp_path / "d")
+    assert out.stat().st_mode & 0o755 == 0o755
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o044 == 0o044, f.name
+
+
 def test_written_config_is_what_vllm_reads(tmp_path, target):
     save_drafter(random_drafter(target.hf_config, "eagle3.1", draft_vocab_size=40), tmp_path / "d")
     config = read_json(tmp_path / "d" / "config.json")
