@@ -74,6 +74,11 @@ class WorkerConfig(StrictModel):
     use_gpu: bool = Field(False, description="each worker reserves a GPU and trains on it")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per worker")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker")
+    allocator: Literal["jemalloc", "glibc"] = Field(
+        "jemalloc",
+        description="host memory allocator of the workers: jemalloc (Ray's own copy, preloaded) or the C library's, "
+        "whose heap a long CPU run fragments (docs/benchmarks.md)",
+    )
 
 
 class CheckpointSpec(StrictModel):

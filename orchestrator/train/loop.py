@@ -181,6 +181,15 @@ def _to(batch: Batch, device) -> Batch:
     )
 
 
+def host_allocator() -> str:
+    """Which malloc this process runs on: jemalloc when preloaded (`worker.allocator`), else the C library's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return "jemalloc" if "libjemalloc" in maps else "glibc"
+
+
 def train_loop_per_worker(config: dict) -> None:
     import ray.train
     from mlflow import MlflowClient
@@ -211,6 +220,8 @@ def train_loop_per_worker(config: dict) -> None:
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
     mlflow = MlflowClient(config["tracking_uri"]) if rank == 0 else None
     run_id = config["run_id"]
+    if mlflow is not None:
+        mlflow.set_tag(run_id, "worker_allocator", host_allocator())
 
     def log(metrics: dict, step: int) -> None:
         if mlflow is not None and metrics:

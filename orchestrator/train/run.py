@@ -135,6 +135,22 @@ def continued(cfg: TrainConfig) -> tuple[TrainConfig, dict | None]:
     return cfg.model_copy(update={"name": f"{cfg.name}-from-{sha}", "drafter": drafter}), previous
 
 
+def allocator_env(allocator: str) -> dict:
+    """The training workers' runtime env for `worker.allocator`: jemalloc preloaded from Ray's own package (each
+    node's Ray has it at the same path in one image), or nothing (the C library's malloc). With glibc a broad run's
+    worker grew from 5.5 to 16 GB over 550 steps, its heap fragmented by tensors of a new shape every step."""
+    if allocator == "glibc":
+        return {}
+    import ray
+
+    lib = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    if not lib.is_file():
+        log.warning("worker.allocator=jemalloc but this Ray has no %s: the workers use the C library's malloc", lib)
+        return {}
+    preload = " ".join(p for p in (str(lib), os.environ.get("LD_PRELOAD", "")) if p)
+    return {"env_vars": {"LD_PRELOAD": preload}}
+
+
 def run_training(cfg: TrainConfig) -> dict:
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -237,6 +253,7 @@ def run_training(cfg: TrainConfig) -> dict:
             storage_filesystem=filesystem,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            worker_runtime_env=allocator_env(cfg.worker.allocator),
         ),
     )
     with TrainingBar(mlflow, run_id, cfg), _ctrl_c_restored():

@@ -128,6 +128,7 @@ def test_training_resumes_exports_and_registers(root, trained):
     history = [m.value for m in client.get_metric_history(run.info.run_id, "loss_step_0")]
     assert history[-1] < history[0]
     assert run.data.params["drafter.variant"] == "eagle3.1" and run.data.params["num_workers"] == "2"
+    assert run.data.tags["worker_allocator"] == "jemalloc"  # preloaded from Ray's package (worker.allocator)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"drafter", "plots", "train_config.json"} <= artifacts
     version = client.get_model_version("tiny-drafter", "1")
