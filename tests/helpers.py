@@ -65,15 +65,16 @@ def random_drafter(
     variant: str = "eagle3.1",
     draft_vocab_size: int | None = None,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
     **flags,
 ) -> Drafter:
-    """A drafter with random weights (std 0.02, norm weights near 1) and a random draft vocabulary."""
+    """A drafter with random weights (std 0.02, norm weights near 1) and a random draft vocabulary, in `dtype`."""
     from orchestrator.models.target import default_aux_layer_ids
 
     gen = torch.Generator().manual_seed(seed)
     aux = default_aux_layer_ids(target_config["num_hidden_layers"])
     config = DrafterConfig.for_target(target_config, aux, draft_vocab_size, variant, **flags)
-    drafter = Drafter(config)
+    drafter = Drafter(config, dtype)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight") or ".weight" in name and "norm" in name:

@@ -351,7 +351,8 @@ def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: in
 
     model_dir = resolve_model(app_args["model"], app_args.get("models_dir", "models"))
     spec = SpecConfig.model_validate(app_args.get("spec", {}))
-    engine = load_engine(model_dir, fetch_drafter(app_args["drafter"]), spec, max_batch=1)
+    dtype = app_args.get("dtype", "auto")  # the server's (its workers run on the CPU here, as this engine does)
+    engine = load_engine(model_dir, fetch_drafter(app_args["drafter"]), spec, max_batch=1, dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.generate([prompts[0]], params)  # warm-up
     totals: dict[str, float] = {}

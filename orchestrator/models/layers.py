@@ -31,7 +31,9 @@ from orchestrator.models.kv_cache import KVCache
 # execution plan for each new shape, about 20 ms of host time per new (span, mask) on an H200 (`make gpu-check`'s
 # profile, 2026-12-04), and decoding changes the shape every step. Grouped-query heads are folded into the query
 # rows (`_attend`), so masked attention reads each key/value head once instead of copying it per query head.
-# On the CPU, PyTorch's flash kernel takes masks and any shape.
+# On the CPU, PyTorch's flash kernel takes masks and any shape; in fp32 a verify step and a decode step agree to
+# ~1e-5 of the logits, which has not changed a greedy output in any run. In bf16 they differ by up to 0.5, so
+# inference in bf16 on a CPU takes `_attend_rowwise` instead (and `RowBlockLinear` for the products).
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _CPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
@@ -42,18 +44,73 @@ def attention_kernels(device: torch.device) -> AbstractContextManager:
 
 
 def _attend(
-    q_bhtd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None
+    q_bhtd: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    sizes: tuple[tuple[int, int], ...] | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention -> [B, heads, T, hd]. q: [B, heads, T, hd]; keys, values: [B, kv_heads, S, hd];
     mask: [B, 1, T, S] bool or None (the CPU's way); or, on CUDA, `bias` from `gqa_bias`: the query heads that
     share a key/value head become `groups x T` query rows of that head, [B, kv_heads, groups * T, hd] (query head
-    h uses key/value head h // groups, as with `enable_gqa`)."""
+    h uses key/value head h // groups, as with `enable_gqa`). sizes: (new tokens, keys) of each sequence, for
+    `_attend_rowwise`."""
+    if bias is None and q_bhtd.dtype == torch.bfloat16 and not q_bhtd.is_cuda and torch.is_inference_mode_enabled():
+        return _attend_rowwise(q_bhtd, keys, values, mask, sizes)  # serving in bf16 on a CPU (training keeps flash)
     if bias is None:
         return F.scaled_dot_product_attention(q_bhtd, keys, values, attn_mask=mask, enable_gqa=True)
     b, heads, t, hd = q_bhtd.shape
     kv_heads = keys.shape[1]
     out = F.scaled_dot_product_attention(q_bhtd.reshape(b, kv_heads, heads // kv_heads * t, hd), keys, values, bias)
     return out.reshape(b, heads, t, hd)  # the kernel may return a transposed layout
+
+
+def _attend_rowwise(
+    q_bhtd: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    sizes: tuple[tuple[int, int], ...] | None = None,
+    rows: int = 256,
+) -> torch.Tensor:
+    """bfloat16 attention on the CPU that gives a token the same bits in a decode step as in a verify step, and
+    in a batch as alone, by plain matrix products. PyTorch's CPU flash kernel sums a row in another order beside
+    tree nodes under a mask than alone, which in bf16 changed greedy outputs (SmolLM2 on MT-Bench: 12 of 40
+    answers equal to target-only decoding).
+
+    Scores are fp32 products (each one the same dot product wherever its key sits). A tree node's keys sit
+    between masked siblings, and a short sequence's beside a longer one's padding, so a vectorised sum over keys
+    adds them in other lanes than the decode step of the same tokens alone does: with fp32 sums, 8 of 40 tree
+    answers still differed. Blocks of up to 64 queries (decoding, verification) therefore take the softmax and the
+    weighted sum in fp64, whose rounding differences lie far below what the cast back to bf16 keeps. Longer blocks
+    (prefill) stay in fp32, each sequence over its own `sizes` (new tokens, keys), `rows` queries at a time: the
+    products a prompt has alone, whatever it is batched with."""
+    b, heads, t, hd = q_bhtd.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    if t > 64 and b > 1 and sizes is not None:
+        out = torch.zeros_like(q_bhtd)
+        for i, (new, seen) in enumerate(sizes):
+            m = None if mask is None else mask[i : i + 1, :, :new, :seen]
+            out[i : i + 1, :, :new] = _attend_rowwise(
+                q_bhtd[i : i + 1, :, :new], keys[i : i + 1, :, :seen], values[i : i + 1, :, :seen], m
+            )
+        return out
+    exact = torch.float64 if t <= 64 else torch.float32
+    q = q_bhtd.reshape(b, kv_heads, groups, t, hd).float()
+    k, v = keys.float().transpose(-1, -2), values.to(exact)  # [B, kv, hd, S], [B, kv, S, hd]
+    out = []
+    for start in range(0, t, rows):
+        r = min(rows, t - start)
+        chunk = q[:, :, :, start : start + r].reshape(b, kv_heads, groups * r, hd)  # query heads of a kv head as rows
+        scores = torch.matmul(chunk, k).mul_(1.0 / math.sqrt(hd)).to(exact)  # [B, kv, g * r, S]
+        if mask is not None:
+            seen = mask[:, :, start : start + r].unsqueeze(2).expand(b, 1, groups, r, span)
+            scores.masked_fill_(~seen.reshape(b, 1, groups * r, span), float("-inf"))
+        out.append(torch.matmul(torch.softmax(scores, dim=-1), v).view(b, kv_heads, groups, r, hd))
+    out = out[0] if len(out) == 1 else torch.cat(out, dim=3)
+    return out.reshape(b, heads, t, hd).to(q_bhtd.dtype)
 
 
 def gqa_bias(
@@ -187,6 +244,7 @@ class AttentionContext:
     max_new: int  # T: the longest new block
     batch: int  # B
     _bias: torch.Tensor | None = field(default=None, repr=False)  # CUDA: `gqa_bias`, built by the first layer
+    sizes: tuple[tuple[int, int], ...] | None = None  # (new tokens, keys) per sequence, for bf16 on the CPU
 
     @classmethod
     def build(
@@ -202,6 +260,7 @@ class AttentionContext:
         """Lay out a batch: slots [B], num_tokens [B] (CPU), positions [N] or None (= cache index),
         block_mask [B, T, W] bool or None (= causal), mask_start [B] or None (see `_attention_mask`)."""
         slots, num_tokens = slots.cpu(), num_tokens.cpu()
+        num_tokens_cpu = num_tokens
         batch = slots.numel()
         cache.reserve(slots, num_tokens)
         cached_cpu = cache.lengths[slots]  # [B]
@@ -229,7 +288,10 @@ class AttentionContext:
                 mask_start = mask_start.to(device)
             mask = _attention_mask(cached, num_tokens, block_mask, mask_start, max_new, span)
         read = slice(first, first + batch) if contiguous else slots
-        return cls(cache, read, slots[tok_b], tok_b, tok_t, write_pos, cos, sin, mask, span, max_new, batch)
+        sizes = tuple(zip(num_tokens_cpu.tolist(), (cached_cpu + num_tokens_cpu).tolist(), strict=True))
+        return cls(
+            cache, read, slots[tok_b], tok_b, tok_t, write_pos, cos, sin, mask, span, max_new, batch, sizes=sizes
+        )
 
     def bias(self, q_bhtd: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """`gqa_bias` of this batch for queries shaped like `q_bhtd` (every layer's are), built once per forward."""
@@ -319,7 +381,7 @@ class Attention(nn.Module):
         keys, values = ctx.cache.append(self.layer_idx, ctx.write_slot, ctx.write_pos, ctx.read_slots, k, v, ctx.span)
         q_bhtd = ctx.pad(q).transpose(1, 2)  # [B, heads, T, hd]
         bias = ctx.bias(q_bhtd, self.num_kv_heads) if q.is_cuda else None
-        out = _attend(q_bhtd, keys, values, ctx.mask, bias)
+        out = _attend(q_bhtd, keys, values, ctx.mask, bias, ctx.sizes)
         out = ctx.unpad(out.transpose(1, 2))  # [N, heads, hd]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -374,13 +436,64 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class RowBlockLinear(nn.Module):
+    """An inference-only bfloat16 `nn.Linear` on the CPU that multiplies at most `rows` rows at a time.
+
+    oneDNN computes a row of a bf16 product to the same bits whatever the row count, up to a size where it
+    switches kernels (32 rows on the AMX CPU here: past it, results move by up to 0.5 in SmolLM2's logits). Cut
+    into blocks below that size, a token's output is the same in a decode step, a verify step and any batch: what
+    greedy speculation needs to equal target-only decoding. `row_exact_block` finds the size on this CPU."""
+
+    def __init__(self, linear: nn.Linear, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.register_buffer("weight", linear.weight.detach(), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.rows:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.cat([F.linear(part, self.weight, self.bias) for part in flat.split(self.rows)])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+_ROW_EXACT: dict[tuple[int, int], int] = {}
+
+
+def row_exact_block(in_features: int, out_features: int, most: int = 64) -> int:
+    """The most rows (<= `most`) a bf16 CPU product of this shape takes while every row keeps the bits it has
+    alone, probed once per shape and process on random rows of three kinds (plain; scaled over six orders of
+    magnitude with a tenth of zeros, as activations are; the two mixed): on one kind alone the size found can be
+    too large (SmolLM2's q|k|v: 63 on plain rows, 32 on scaled ones)."""
+    key = (in_features, out_features)
+    if key not in _ROW_EXACT:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+        plain = torch.randn(most, in_features, generator=gen)
+        zeros = torch.rand(most, in_features, generator=gen) < 0.1
+        scale = torch.exp(3 * torch.randn(most, 1, generator=gen)).masked_fill(zeros, 0.0)
+        mixed = torch.where(torch.rand(most, 1, generator=gen) < 0.5, plain, plain * scale)
+        best = most
+        for x in (plain.to(torch.bfloat16), (plain * scale).to(torch.bfloat16), mixed.to(torch.bfloat16)):
+            alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(most)])
+            rows = 2
+            while rows <= best and torch.equal(F.linear(x[:rows], weight), alone[:rows]):
+                rows += 1
+            best = rows - 1
+        _ROW_EXACT[key] = best
+    return _ROW_EXACT[key]
+
+
 def pack_linears_for_cpu(module: nn.Module) -> None:
-    """Replace every fp32 `nn.Linear` below `module` by a `PackedLinear` (frozen inference on CPU only)."""
-    if not torch.backends.mkldnn.is_available():
-        return
+    """Replace every `nn.Linear` below `module` for frozen inference on the CPU: fp32 ones by a `PackedLinear`,
+    bf16 ones by a `RowBlockLinear`."""
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and not child.weight.is_cuda:
+        cpu = isinstance(child, nn.Linear) and not child.weight.is_cuda
+        if cpu and child.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             setattr(module, name, PackedLinear(child))
+        elif cpu and child.weight.dtype == torch.bfloat16:
+            setattr(module, name, RowBlockLinear(child, row_exact_block(child.in_features, child.out_features)))
         else:
             pack_linears_for_cpu(child)
 

@@ -61,7 +61,7 @@ def _proposer(kind: str, spec: str, target, prompts, reference, batch: int = 8):
     if kind == "replay":
         references = {"prompts": prompts, "outputs": reference}
         return ReplayProposer(references, target.vocab_size, cfg["depth"], width=cfg["topk"], seed=1)
-    drafter = random_drafter(target.hf_config, "eagle3.1", draft_vocab_size=8192, seed=2)
+    drafter = random_drafter(target.hf_config, "eagle3.1", draft_vocab_size=8192, seed=2, dtype=target.dtype)
     drafter.share_embedding(target.embed_tokens)
     return EagleProposer(drafter, cfg["depth"], cfg["topk"], max_requests=batch)
 
@@ -70,8 +70,8 @@ def _proposer(kind: str, spec: str, target, prompts, reference, batch: int = 8):
 @pytest.mark.parametrize("spec", ["chain", "tree"])
 @pytest.mark.parametrize("kind", ["random-drafter", "replay"])
 def test_greedy_speculation_is_exact(target, prompts, reference, kind, spec, batch):
-    if batch == 1:  # one request at a time: 8 prompts (short and long) keep it to a fair share of the suite
-        prompts, reference = prompts[-8:], reference[-8:]
+    if batch == 1:  # one request at a time: 6 prompts (short and long) keep it to a fair share of the suite
+        prompts, reference = prompts[-6:], reference[-6:]
     proposer = _proposer(kind, spec, target, prompts, reference, batch)
     engine = _engine(target, proposer, SPECS[spec]["budget"], batch)
     out = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -83,6 +83,39 @@ def test_greedy_speculation_is_exact(target, prompts, reference, kind, spec, bat
         deepest = len(total.accepted_per_pos)
         assert deepest == min(cfg["depth"], cfg["budget"] // cfg["topk"]), "some rounds should accept a full path"
         assert total.acceptance_length > 1.5
+
+
+@pytest.fixture(scope="module")
+def target_bf16(smollm2_dir):
+    return TargetModel.from_pretrained(smollm2_dir, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(target_bf16, prompts):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [g.token_ids for g in _engine(target_bf16).generate(prompts, params)]
+
+
+def test_bf16_target_only_decoding_on_the_cpu_is_the_same_alone_and_batched(target_bf16, prompts, reference_bf16):
+    """Every third prompt alone against the batch of 8 (prompts of ~35 to ~190 tokens, prefilled together): the
+    same tokens. One product for all rows changed 11 of 24 answers."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = _engine(target_bf16, batch=1).generate(prompts[::3], params)
+    assert [g.token_ids for g in alone] == reference_bf16[::3]
+
+
+@pytest.mark.parametrize(("kind", "spec"), [("replay", "tree"), ("random-drafter", "chain")])
+def test_greedy_speculation_is_exact_in_bfloat16_on_the_cpu(target_bf16, prompts, reference_bf16, kind, spec):
+    """bf16 on the CPU: a verify step gives each token the bits a decode step gives it (row-exact products and
+    attention, `models.layers`), so speculation still equals target-only decoding. With PyTorch's flash attention
+    and one product for all rows, 12 of 40 MT-Bench answers did."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = reference_bf16
+    proposer = _proposer(kind, spec, target_bf16, prompts, reference)
+    out = _engine(target_bf16, proposer, SPECS[spec]["budget"]).generate(prompts, params)
+    assert [g.token_ids for g in out] == reference
+    total = sum((g.acceptance for g in out[1:]), out[0].acceptance)
+    assert total.drafts > 0
 
 
 def test_stop_conditions_inside_an_accepted_path(target, prompts, reference):

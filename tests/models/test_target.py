@@ -219,3 +219,49 @@ def test_a_forward_builds_its_attention_bias_once(tiny_dir):
     bias = ctx.bias(q, kv_heads)
     assert bias.shape == (2, 1, heads // kv_heads * 5, 5) and ctx.bias(q, kv_heads) is bias
     assert bool(torch.isinf(bias[0, 0, 0, 1])) and bias[1, 0, 4, 4] == 0  # causal: row 0 hides key 1
+
+
+@torch.inference_mode()
+def test_bf16_attention_on_the_cpu_gives_a_tree_node_the_bits_of_its_decode_step():
+    """A tree node verified beside masked siblings (and padding keys past its block) against the same query decoded
+    alone over its visible keys, back to back: equal to the bit, and close to the reference attention."""
+    from orchestrator.models.layers import _attend
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, hd, prefix = 9, 3, 64, 100
+    parents = [-1, 0, 0, 1, 1, 3, 2, 5, 6, 7, 4, 10, 11, 8]  # block row -> parent row
+    t = len(parents)
+    keys, values = (torch.randn(1, kv_heads, prefix + t + 2, hd, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = (3 * torch.randn(1, heads, t, hd, generator=gen)).to(torch.bfloat16)
+    mask = torch.zeros(1, 1, t, prefix + t + 2, dtype=torch.bool)
+    mask[..., :prefix] = True
+    for row in range(t):
+        node = row
+        while node >= 0:
+            mask[0, 0, row, prefix + node] = True
+            node = parents[node]
+    block = _attend(q, keys, values, mask, None)  # PyTorch's flash kernel: 32 of 70 rows differ (5 draws)
+    for row in range(t):
+        seen = mask[0, 0, row].nonzero().squeeze(1)  # its prefix and ancestors, in order
+        alone = _attend(q[:, :, row : row + 1], keys[:, :, seen], values[:, :, seen], None, None)
+        assert torch.equal(block[:, :, row], alone[:, :, 0]), f"row {row}"
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True
+    )
+    torch.testing.assert_close(block.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_products_on_the_cpu_give_each_row_the_bits_it_has_alone():
+    """`RowBlockLinear` over 100 rows of SmolLM2's MLP shape (one product of all rows: 15 rows differ here, where
+    oneDNN switches kernels past 32): each row as it is alone."""
+    from torch import nn
+
+    from orchestrator.models.layers import RowBlockLinear, row_exact_block
+
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+    block = RowBlockLinear(linear, row_exact_block(576, 1536))
+    x = torch.randn(100, 576, generator=gen).to(torch.bfloat16)
+    together = block(x)
+    assert all(torch.equal(together[i], block(x[i : i + 1])[0]) for i in range(100))
+    torch.testing.assert_close(together, linear(x), rtol=2e-2, atol=2e-2)
