@@ -27,10 +27,12 @@ pipeline: install
 
 # Speculation shown: the committed broad EAGLE-3.1 drafter (drafters/, 19 MiB bf16; `make drafters` trains it on) and the
 # target alone answer the same prompts, interleaved; answers, acceptance length and the speed-up with its interval.
+# Both in bfloat16, exact on the CPU too (docs/concepts/lossless.md); DEMO_DTYPE=float32 on a CPU without AMX/AVX512-BF16.
+DEMO_DTYPE ?= bfloat16
 demo: install
 	$(VENV)/bin/aerie prepare-model smollm2-135m-instruct --out $(MODEL_DIR)
 	$(VENV)/bin/aerie demo --model $(MODEL_DIR) --drafter drafters/smollm2-135m-broad-eagle3.1 --prompts demo/prompts.jsonl \
-		--max-tokens 96 --repeats 2 --out runs/demo/result.json
+		--max-tokens 96 --repeats 2 --dtype $(DEMO_DTYPE) --out runs/demo/result.json
 
 # The server across three nodes of this machine (network namespaces on a bridge; root): which actor runs where, and
 # per-user tokens/s with the draft node's link limited to each rate, 3 repeats with intervals (orchestrator/cluster_demo.py;

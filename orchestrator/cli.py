@@ -237,7 +237,9 @@ def _demo(args: argparse.Namespace) -> int:
     prompts = [encode_prompt(tokenizer, item) for item in items]
     spec = SpecConfig(method=args.spec, num_spec_tokens=args.num_spec_tokens, depth=args.depth, budget=args.budget)
     labels = [item.messages[-1]["content"] if item.messages else item.prompt for item in items]
-    result = run_demo(Path(args.model), Path(args.drafter), prompts, labels, spec, args.max_tokens, args.repeats)
+    result = run_demo(
+        Path(args.model), Path(args.drafter), prompts, labels, spec, args.max_tokens, args.repeats, args.dtype
+    )
     print(format_demo(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -469,6 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-spec-tokens", type=int, default=5, help="chain: draft tokens per round")
     p.add_argument("--depth", type=int, default=5, help="tree: most draft levels")
     p.add_argument("--budget", type=int, default=16, help="tree: draft tokens verified per round")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="of both models (auto: bfloat16 on a GPU, float32 on the CPU; bfloat16 is exact on the CPU too, and "
+        "fast where it has AVX512-BF16 or AMX)",
+    )
     p.add_argument("--out", default=None, help="also write the result as JSON here")
     p.set_defaults(func=_demo)
 

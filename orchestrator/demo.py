@@ -29,15 +29,16 @@ def run_demo(
     spec: SpecConfig,
     max_tokens: int,
     repeats: int,
+    dtype: str = "auto",
 ) -> dict:
-    """labels: what to show of each prompt (the user's message)."""
+    """labels: what to show of each prompt (the user's message); dtype: of both engines' models."""
     from orchestrator.models.tokenizer import eos_token_ids, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     eos = eos_token_ids(model_dir, tokenizer)
     engines = {
-        "target-only": load_engine(model_dir, None, None, 1, tokenizer, eos),
-        "speculative": load_engine(model_dir, drafter_dir, spec, 1, tokenizer, eos),
+        "target-only": load_engine(model_dir, None, None, 1, tokenizer, eos, dtype=dtype),
+        "speculative": load_engine(model_dir, drafter_dir, spec, 1, tokenizer, eos, dtype=dtype),
     }
     params = SamplingParams(max_tokens=max_tokens)
     for engine in engines.values():  # first calls pay one-time costs (oneDNN weight packing, allocations)
@@ -85,6 +86,7 @@ def run_demo(
         },
         "spec": spec.model_dump(),
         "repeats": repeats,
+        "dtype": dtype,
     }
 
 
@@ -105,7 +107,8 @@ def format_demo(result: dict) -> str:
         shape = f"tree of depth {s['depth']}, {s['budget']} nodes"
     tps = result["tokens_per_s"]
     lines += [
-        f"EAGLE-3.1 speculation ({shape}), one user, greedy, {result['repeats']} interleaved repeats per prompt:",
+        f"EAGLE-3.1 speculation ({shape}, {result.get('dtype', 'auto')}), one user, greedy, {result['repeats']} "
+        "interleaved repeats per prompt:",
         f"  acceptance length (tokens per target forward): {result['acceptance_length']:.2f}",
         f"  target alone {tps['target-only']:.1f} tok/s, speculative {tps['speculative']:.1f} tok/s: "
         f"speed-up {format_ratio(result['speedup'])} (95% interval over prompts x repeats)",
