@@ -260,10 +260,10 @@ class AttentionContext:
         """Lay out a batch: slots [B], num_tokens [B] (CPU), positions [N] or None (= cache index),
         block_mask [B, T, W] bool or None (= causal), mask_start [B] or None (see `_attention_mask`)."""
         slots, num_tokens = slots.cpu(), num_tokens.cpu()
-        num_tokens_cpu = num_tokens
         batch = slots.numel()
         cache.reserve(slots, num_tokens)
         cached_cpu = cache.lengths[slots]  # [B]
+        sizes = tuple(zip(num_tokens.tolist(), (cached_cpu + num_tokens).tolist(), strict=True))  # (new, keys) each
         max_new = int(num_tokens.max())
         span = int((cached_cpu + num_tokens).max())
         first = int(slots[0])
@@ -288,7 +288,6 @@ class AttentionContext:
                 mask_start = mask_start.to(device)
             mask = _attention_mask(cached, num_tokens, block_mask, mask_start, max_new, span)
         read = slice(first, first + batch) if contiguous else slots
-        sizes = tuple(zip(num_tokens_cpu.tolist(), (cached_cpu + num_tokens_cpu).tolist(), strict=True))
         return cls(
             cache, read, slots[tok_b], tok_b, tok_t, write_pos, cos, sin, mask, span, max_new, batch, sizes=sizes
         )

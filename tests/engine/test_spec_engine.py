@@ -110,10 +110,9 @@ def test_greedy_speculation_is_exact_in_bfloat16_on_the_cpu(target_bf16, prompts
     attention, `models.layers`), so speculation still equals target-only decoding. With PyTorch's flash attention
     and one product for all rows, 12 of 40 MT-Bench answers did."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    reference = reference_bf16
-    proposer = _proposer(kind, spec, target_bf16, prompts, reference)
+    proposer = _proposer(kind, spec, target_bf16, prompts, reference_bf16)
     out = _engine(target_bf16, proposer, SPECS[spec]["budget"]).generate(prompts, params)
-    assert [g.token_ids for g in out] == reference
+    assert [g.token_ids for g in out] == reference_bf16
     total = sum((g.acceptance for g in out[1:]), out[0].acceptance)
     assert total.drafts > 0
 
