@@ -1,0 +1,23 @@
+"""The tree-shape benchmark on the tiny chat model and a random drafter: a line per shape and pass, every pass's
+answers as long as asked, and a bad shape as one line."""
+
+from __future__ import annotations
+
+from orchestrator.benchmarks.tree_shapes import main
+
+
+def test_each_shape_is_timed_in_every_pass(tiny_chat, tiny_drafter, capsys):
+    argv = ["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--prompts", "2", "--lengths", "3", "5"]
+    assert main([*argv, "--shapes", "2/2/3", "1/2/2", "--passes", "2", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    passes = [line.split(":")[0] for line in lines if " pass " in line]
+    assert passes == ["2/2/3 pass 0", "1/2/2 pass 0", "1/2/2 pass 1", "2/2/3 pass 1"]  # alternating order
+    assert all("accepted to depth" in line for line in lines if " pass " in line)
+    assert [line.split(":")[0] for line in lines[-2:]] == ["2/2/3", "1/2/2"]
+
+
+def test_a_bad_shape_is_one_line(tiny_chat, tiny_drafter, capsys):
+    assert main(["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--shapes", "2/0/3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: shape '2/0/3'") and len(err.splitlines()) == 1
+    assert main(["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--shapes", "2x3"]) == 2
