@@ -173,14 +173,14 @@ class Probe:
 
 @dataclass
 class ModeChooser:
-    """Drafted or target-only rounds, whichever has measured more tokens per second at this batch size (log2
-    buckets of the number of requests in the round). The losing mode is re-measured for `probe_rounds` rounds
-    (fewer at larger batches, whose rounds average over more requests: probe_rounds // bucket, at least 2)
-    every `probe_every` rounds, twice as rarely after each probe that confirms the choice (up to
-    `max_backoff` times), so a drafter that starts to pay (or stops) is noticed while probing a mode that keeps
-    losing costs little. What it measures is the round as the scheduler lives it (draft call, verify
-    call, waiting for the other micro-batch), so it holds on any hardware: a compute-bound target, a drafter
-    sharing its cores, network hops.
+    """Drafted or target-only rounds, whichever has measured more tokens per second at this batch size (log2 buckets
+    of the number of requests in the round); switching to drafting only where it wins by more than `margin`. The
+    losing mode is re-measured for `probe_rounds` rounds (fewer at larger batches, whose rounds average over more
+    requests: probe_rounds // bucket, at least 2) every `probe_every` rounds, twice as rarely after each probe that
+    confirms the choice (up to `max_backoff` times), so a drafter that starts to pay (or stops) is noticed while
+    probing a mode that keeps losing costs little. What it measures is the round as the scheduler lives it (draft
+    call, verify call, waiting for the other micro-batch), so it holds on any hardware: a compute-bound target, a
+    drafter sharing its cores, network hops.
 
     A mode's rate is (average tokens per request and round) / (average seconds per round): a drafted round
     yields 1 to depth+1 tokens, and averaging per-round rates let one unlucky round flip the choice. The two
@@ -210,6 +210,7 @@ class ModeChooser:
     max_backoff: int = 16
     probe_overhead: float = 0.02
     confirm_rounds: int = 8
+    margin: float = 0.03  # a bucket serving target-only drafts only where drafting measured this much faster
     debt: float = 0.0  # seconds probes lost that later rounds have not yet paid back (see the docstring)
     measured: dict[tuple[bool, int], Measured] = field(default_factory=dict)  # (drafted, bucket) -> its rounds
     backoff: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval in units of probe_every
@@ -233,7 +234,7 @@ class ModeChooser:
         if self.probe is None or self.probe.left == 0:
             if self.probe is not None:  # the last probe is over: did it change the choice in its bucket?
                 b, mode = self.probe.bucket, self.probe.mode
-                won = (self.rate(True, b) >= self.rate(False, b)) == mode
+                won = self._drafting_pays(b) == mode
                 self.backoff[b] = 1 if won else min(self.max_backoff, 2 * self.backoff.get(b, 1))
                 self.probe = None
             best = self._best(bucket)
@@ -263,7 +264,7 @@ class ModeChooser:
                 if (m := self.measured.get((drafted, b))) is not None
             }
             if len(modes) == 2:
-                choice = self.chosen.get(b, self.rate(True, b) >= self.rate(False, b))
+                choice = self.chosen.get(b, self._drafting_pays(b))
                 modes["choice"] = "drafted" if choice else "target_only"
             out[_sizes(b)] = modes
         return out
@@ -316,15 +317,15 @@ class ModeChooser:
         self.debt += loser.rounds * max(0.0, loser.seconds - loser.tokens / best)
 
     def _best(self, bucket: int) -> bool:
-        """The mode with the higher measured rate, except that a bucket serving target-only starts drafting
-        only on a fresh measurement of drafting. A drafted cost not measured for `probe_every` rounds was taken
-        under another load: when users arrive, every round grows slower, target-only ones included, and a stale
-        drafted cost measured at a lighter load then looks cheap. Switching on it drafted dozens of rounds at
-        16 users that each cost twice a target-only one (docs/benchmarks.md); the next probe refreshes it. And
-        the fresh measurement must span `confirm_rounds` drafted rounds in a row (`_unconfirmed` drafts the
-        rest at once). Going target-only needs no such proof: it is the baseline, and a wrong switch costs only
-        the drafter's gain until the next probe."""
-        best = self.rate(True, bucket) >= self.rate(False, bucket)
+        """The mode with the higher measured rate (to switch to drafting: by more than `margin`), except that a bucket
+        serving target-only starts drafting only on a fresh measurement of drafting. A drafted cost not measured for
+        `probe_every` rounds was taken under another load: when users arrive, every round grows slower, target-only ones
+        included, and a stale drafted cost measured at a lighter load then looks cheap. Switching on it drafted dozens
+        of rounds at 16 users that each cost twice a target-only one (docs/benchmarks.md); the next probe refreshes it.
+        And the fresh measurement must span `confirm_rounds` drafted rounds in a row (`_unconfirmed` drafts the rest at
+        once). Going target-only needs no such proof: it is the baseline, and a wrong switch costs only the drafter's
+        gain until the next probe."""
+        best = self._drafting_pays(bucket)
         drafted = self.measured[(True, bucket)]
         if best and not self.chosen.get(bucket, True):
             return self._recent(drafted.last) and drafted.streak >= self.confirm_rounds
@@ -343,7 +344,7 @@ class ModeChooser:
         lost by 10-20%, one or two lucky drafted rounds switched to it, and it drafted by choice until its own
         rounds pulled the mean back (41 rounds in one 4-user A/A level; docs/benchmarks.md)."""
         drafted = self.measured[(True, bucket)]
-        if self.rate(True, bucket) < self.rate(False, bucket) or not self._recent(drafted.last):
+        if not self._drafting_pays(bucket) or not self._recent(drafted.last):
             return 0
         if bucket in self.confirmed and self._recent(self.confirmed[bucket]):
             return 0
@@ -380,6 +381,16 @@ class ModeChooser:
     def _start_rounds(self, bucket: int) -> int:
         """Rounds of each mode a bucket measures first, and a probe's length there (larger batches average more)."""
         return max(2, self.probe_rounds // bucket)
+
+    def _drafting_pays(self, bucket: int) -> bool:
+        """Whether drafted rounds measured faster than target-only ones at a batch-size bucket: by more than `margin`
+        where the bucket serves target-only, by anything where it drafts. Without the band, where the two measured
+        about even every switch to drafting began with a catch-up, and at 16 users here the chooser switched 16
+        times in 200 rounds on rates 1-3% apart (drafted 1.4 tokens per request in 140-168 ms against one in
+        100-129): speculation on ran 2% behind off (0.98x [0.96, 0.99]) while its own accounting said drafting
+        saved 6.5%."""
+        threshold = 1.0 if self.chosen.get(bucket, True) else 1.0 + self.margin
+        return self.rate(True, bucket) > threshold * self.rate(False, bucket)
 
     def rate(self, drafted: bool, bucket: int) -> float:
         """Measured tokens per second per request of a mode at a batch-size bucket (n.bit_length())."""

@@ -152,7 +152,7 @@ def test_calibration_on_a_simulated_benchmark_recovers_its_costs_and_predicts_it
     fit = fit_costs(levels, depth=3, topk=2, aux_bytes_per_token=100)
     assert fit.target.fixed_s == pytest.approx(0.04, rel=0.05)
     assert fit.target.per_token_s == pytest.approx(0.002, rel=0.05)
-    assert fit.draft.fixed_s == pytest.approx(0.004, rel=0.05)
+    assert fit.draft.fixed_s == pytest.approx(0.004, rel=0.08)  # from fewer drafted rounds than the target's fit
     assert fit.call_s == pytest.approx(0.003, rel=0.05)
     rows = predict(levels, {"max_tokens": 32}, app, fit, AcceptanceProfile(chain=[0.7, 0.5, 0.4]))
     assert all(abs(r["error"]) < 0.03 for r in rows), rows
