@@ -151,7 +151,11 @@ def answer_lengths(cfg: BenchmarkServingConfig, n: int) -> list[int]:
     range's width visits every length before repeating one)."""
     if cfg.max_tokens_range is None:
         return [cfg.max_tokens] * n
-    lo, hi = cfg.max_tokens_range
+    return spread_lengths(*cfg.max_tokens_range, n)
+
+
+def spread_lengths(lo: int, hi: int, n: int) -> list[int]:
+    """n lengths in [lo, hi]: a stride coprime with the range's width visits every length before repeating one."""
     width = hi - lo + 1
     stride = next(s for s in range(37, 37 + width + 1) if math.gcd(s, width) == 1)
     return [lo + (i * stride) % width for i in range(n)]

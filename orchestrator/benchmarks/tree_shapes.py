@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> None:
+    from orchestrator.benchmarks.serving import spread_lengths
     from orchestrator.data.prompts import mtbench_first_turns, render_chat
     from orchestrator.engine import load_engine
     from orchestrator.models.tokenizer import load_tokenizer
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> None:
     }
     tokenizer = load_tokenizer(args.model)
     prompts = [render_chat(tokenizer, r["messages"]) for r in mtbench_first_turns(args.prompts)]
-    lengths = [lo + (i * 37) % (hi - lo + 1) for i in range(len(prompts))]  # as jobs.benchmark_serving's
+    lengths = spread_lengths(lo, hi, len(prompts))  # as jobs.benchmark_serving's
     for engine in engines.values():  # warm-up, unmeasured
         engine.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))
     ms: dict[tuple[int, int, int], list[float]] = {s: [] for s in shapes}
