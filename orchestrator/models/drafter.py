@@ -205,11 +205,14 @@ class Drafter(nn.Module):
         positions: torch.Tensor | None = None,
         block_mask: torch.Tensor | None = None,
         mask_start: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> DraftOutput:
         """One drafting step for a packed batch (layout as `TargetModel.forward`).
 
         token_ids: [N]; hidden: [N, H], `combine_aux(aux)` for tokens that follow target states, else the
-        previous step's `next_hidden`. Appends to the drafter's KV cache like the target does.
+        previous step's `next_hidden`. Appends to the drafter's KV cache like the target does. rows: [R] the
+        rows whose outputs are wanted (default all; drafting wants each sequence's last committed one only, and
+        the LM head costs as much per row as the layer).
         """
         ctx = AttentionContext.build(cache, slots, num_tokens, positions, block_mask, self.inv_freq, mask_start)
         with attention_kernels(self.device):
@@ -217,7 +220,9 @@ class Drafter(nn.Module):
             for layer in self.layers[1:]:
                 x = layer(layer.input_layernorm(x), x, ctx)
         cache.advance(slots, num_tokens)
-        post = self.norm(x)  # [N, H]
+        if rows is not None:
+            x = x[rows.to(x.device)]  # [R, H]
+        post = self.norm(x)  # [N or R, H]
         return DraftOutput(self.lm_head(post), post if self.config.norm_output else x)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

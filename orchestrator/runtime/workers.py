@@ -71,6 +71,13 @@ class _Seq:
     final: list[torch.Tensor] | None = None  # kept for the traffic tap: [m, hidden] per pair, else None
 
 
+def _best(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and argmax [T] of a call's logits [T, V], on the CPU: one pass (and one copy from a GPU) for
+    the whole batch, which every request's verdict then reads (`Verifier.verify`)."""
+    values, indices = logits.max(dim=-1)
+    return values.cpu(), indices.cpu()
+
+
 def _identity() -> dict:
     import ray
 
@@ -186,13 +193,15 @@ class TargetWorker:
             except BaseException:
                 self.release([s.request_id for s in admitted])
                 raise
-            offset = 0
+            offset, best = 0, _best(out.logits)
             for row, (s, q) in enumerate(zip(admitted, seqs, strict=True)):
                 rows = slice(offset, offset + len(s.prompt_ids))
                 aux = out.aux_hidden[rows]  # [n, k * hidden]
                 offset += len(s.prompt_ids)
                 try:
-                    token = self.verifier.verify(DraftTree.empty(), out.logits[row : row + 1], q.params, q.generator, 0)
+                    one = slice(row, row + 1)
+                    top = (best[0][one], best[1][one])
+                    token = self.verifier.verify(DraftTree.empty(), out.logits[one], q.params, q.generator, 0, top)
                     pair = Pair(torch.tensor(s.prompt_ids[1:] + [token.next_token]), aux.to("cpu", copy=True))
                     final = self._kept(out.final_hidden[rows]) if q.final is not None else None  # [n, H]
                     updates.append(self._emit(s.request_id, q, [token.next_token], pair, parts, final))
@@ -225,12 +234,13 @@ class TargetWorker:
             except BaseException:
                 self.release(ids)
                 raise
-            offset, compact = 0, {}
+            offset, compact, best = 0, {}, _best(out.logits)
             for rid, q, tree in zip(ids, seqs, chosen, strict=True):
                 rows = slice(offset, offset + 1 + tree.size)  # its root and tree nodes
                 offset += 1 + tree.size
                 try:
-                    verdict = self.verifier.verify(tree, out.logits[rows], q.params, q.generator, q.length)
+                    top = (best[0][rows], best[1][rows])
+                    verdict = self.verifier.verify(tree, out.logits[rows], q.params, q.generator, q.length, top)
                     kept = torch.tensor([0] + [1 + i for i in verdict.accepted])  # [a + 1] rows: root + accepted path
                     compact[q.slot] = kept
                     emitted = [int(tree.tokens[i]) for i in verdict.accepted] + [verdict.next_token]  # a + 1 tokens

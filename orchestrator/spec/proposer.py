@@ -93,7 +93,6 @@ class _Growing:
     candidates: list[_Candidate] = field(default_factory=list)
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # parent -> [vocab] its children's q
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> [hidden] drafter state (forwarded)
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> [draft_vocab] (forwarded only)
     in_cache: list[int] = field(default_factory=list)  # candidates whose KV entries follow `committed`
 
 
@@ -123,10 +122,8 @@ class EagleProposer:
             expand = [(g, nodes) for g, nodes in expand if nodes]
             if not expand:
                 break
-            self._forward_nodes(expand)
-            for g, nodes in expand:
-                for node in nodes:
-                    self._add_children(g, node, g.logits[node])
+            logits = self._forward_nodes(expand)  # [N, draft_vocab] the expanded nodes', in order
+            self._add_children([(g, node) for g, nodes in expand for node in nodes], logits)
         return [self._select(g) for g in growing]
 
     def _commit_pairs(self, items: list[ProposeItem]) -> list[_Growing]:
@@ -140,36 +137,48 @@ class EagleProposer:
         num = torch.tensor([i.tokens.numel() for i in items])  # [B] new pairs each
         aux = torch.cat([i.aux for i in items]).to(self.drafter.device, self.drafter.dtype)  # [M, k * target_hidden]
         hidden = self.drafter.combine_aux(aux)  # [M, hidden]
-        # out.logits [M, draft_vocab], out.next_hidden [M, hidden]
-        out = self.drafter(torch.cat([i.tokens for i in items]), hidden, self.cache, slots, num)
         last = torch.cumsum(num, 0) - 1  # [B] each request's last row
+        # out.logits [B, draft_vocab], out.next_hidden [B, hidden]: its last pair's
+        out = self.drafter(torch.cat([i.tokens for i in items]), hidden, self.cache, slots, num, rows=last)
         growing = []
-        for row, item in zip(last.tolist(), items, strict=True):
+        for row, item in enumerate(items):
             committed = int(self.cache.lengths[self.slots[item.request_id]])
             self.committed[item.request_id] = committed
             g = _Growing(item, self.slots[item.request_id], committed - 1, committed)
             g.hidden[-1] = out.next_hidden[row]
-            if item.budget > 0:
-                self._add_children(g, -1, out.logits[row])
             growing.append(g)
+        drafting = [row for row, g in enumerate(growing) if g.item.budget > 0]
+        self._add_children([(growing[row], -1) for row in drafting], out.logits[drafting])
         return growing
 
-    def _add_children(self, g: _Growing, parent: int, draft_logits: torch.Tensor) -> None:
-        """Draw `topk` children of `parent` (-1 = root) from its draft logits [draft_vocab]."""
-        k = self.topk
-        params = g.item.params
-        if params.greedy:  # the top k over the draft vocabulary (everything else has probability 0)
-            top = torch.topk(torch.log_softmax(draft_logits.float(), dim=-1), k)  # values, indices [k]
-            tokens, logps = self.drafter.to_target_ids(top.indices).tolist(), top.values.tolist()
-        else:
-            logits = self.drafter.target_logits(draft_logits[None])[0]  # [vocab], -inf outside the draft vocab
-            q = probabilities(logits, params).cpu()  # [vocab], drawn with the request's (CPU) generator
-            logq = torch.log(q)  # [vocab]
-            gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=g.item.generator).clamp_min(1e-20)))
-            keys = torch.topk(logq + gumbel, k)  # values, indices [k]
-            drawn = keys.indices[torch.isfinite(keys.values)]  # drawn without replacement, in drawing order
-            tokens, logps = drawn.tolist(), logq[drawn].tolist()
-            g.draft_probs[parent] = q
+    def _add_children(self, nodes: list[tuple[_Growing, int]], draft_logits: torch.Tensor) -> None:
+        """Draw `topk` children of each (request, parent) (parent -1 = root) from its row of draft logits
+        [len(nodes), draft_vocab]. Greedy requests' rows in one top-k, sampled requests' one by one."""
+        greedy = [i for i, (g, _) in enumerate(nodes) if g.item.params.greedy]
+        top: dict[int, tuple[list[int], list[float]]] = {}
+        if greedy:  # the top k over the draft vocabulary (everything else has probability 0)
+            rows = draft_logits if len(greedy) == len(nodes) else draft_logits[greedy]  # [G, draft_vocab]
+            best = torch.topk(torch.log_softmax(rows.float(), dim=-1), self.topk)  # values, indices [G, k]
+            tokens, logps = self.drafter.to_target_ids(best.indices).tolist(), best.values.tolist()
+            top = dict(zip(greedy, zip(tokens, logps, strict=True), strict=True))
+        for i, (g, parent) in enumerate(nodes):
+            tokens, logps = top[i] if i in top else self._draw(g, parent, draft_logits[i])
+            self._append(g, parent, tokens, logps)
+
+    def _draw(self, g: _Growing, parent: int, draft_logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """`topk` children of `parent` drawn without replacement from the request's sampling distribution over its
+        draft logits [draft_vocab] (kept in `draft_probs` for verification): tokens and their log-probabilities."""
+        logits = self.drafter.target_logits(draft_logits[None])[0]  # [vocab], -inf outside the draft vocab
+        q = probabilities(logits, g.item.params).cpu()  # [vocab], drawn with the request's (CPU) generator
+        logq = torch.log(q)  # [vocab]
+        gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=g.item.generator).clamp_min(1e-20)))
+        keys = torch.topk(logq + gumbel, self.topk)  # values, indices [k]
+        drawn = keys.indices[torch.isfinite(keys.values)]  # drawn without replacement, in drawing order
+        g.draft_probs[parent] = q
+        return drawn.tolist(), logq[drawn].tolist()
+
+    def _append(self, g: _Growing, parent: int, tokens: list[int], logps: list[float]) -> None:
+        """Add `parent`'s children (tokens in drawing order, their draft log-probabilities) as candidates."""
         base = 0.0 if parent < 0 else g.candidates[parent].score
         depth = 1 if parent < 0 else g.candidates[parent].depth + 1
         for order, (token, logp) in enumerate(zip(tokens, logps, strict=True)):
@@ -182,8 +191,9 @@ class EagleProposer:
         at_depth = [i for i, c in enumerate(g.candidates) if c.depth == depth]
         return sorted(at_depth, key=lambda i: -g.candidates[i].score)[: self.topk]
 
-    def _forward_nodes(self, expand: list[tuple[_Growing, list[int]]]) -> None:
-        """Run the drafter on the nodes to expand: each sees the committed prefix and its own ancestors."""
+    def _forward_nodes(self, expand: list[tuple[_Growing, list[int]]]) -> torch.Tensor:
+        """Run the drafter on the nodes to expand: each sees the committed prefix and its own ancestors. Returns
+        their draft logits [N, draft_vocab], in order."""
         tokens, hidden, positions, masks = [], [], [], []
         for g, nodes in expand:
             width = len(g.in_cache) + len(nodes)
@@ -219,9 +229,9 @@ class EagleProposer:
         for g, nodes in expand:
             for node in nodes:
                 g.hidden[node] = out.next_hidden[row]
-                g.logits[node] = out.logits[row]
                 row += 1
             g.in_cache.extend(nodes)
+        return out.logits
 
     def _select(self, g: _Growing) -> DraftTree:
         """Keep the `budget` best candidates, each with its parent and earlier-drawn siblings."""

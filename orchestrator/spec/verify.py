@@ -80,14 +80,20 @@ class Verifier:
         params: SamplingParams,
         generator: torch.Generator | None,
         position: int,
+        best: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Verdict:
         """logits: [n+1, vocab], target logits at `[root, nodes...]` (row i+1 scores node i's children);
-        position: the output index of the token chosen at the root (0 for the first token after the prompt).
+        position: the output index of the token chosen at the root (0 for the first token after the prompt);
+        best: `logits.max(dim=-1)` (values, indices [n+1]) where the caller took it for a whole batch at once.
         Raises ValueError when the target's logits are NaN or +inf (one request's problem, not the batch's)."""
-        if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+        # One pass over the logits for the check and the greedy choice: a row's max is NaN or +inf exactly when
+        # the row holds one, and max's index is argmax's (the first maximal value). Per request, argmax and the
+        # two checks on bf16 logits took 1.4 ms per 6 rows on this CPU: 22 ms of a 16-request verify round.
+        values, choice = best if best is not None else logits.max(dim=-1)
+        if bool((torch.isnan(values) | torch.isposinf(values)).any()):
             raise ValueError("the target's logits are NaN or +inf")
         if params.greedy:
-            return self.greedy(tree, logits.argmax(dim=-1))
+            return self.greedy(tree, choice)
         probs = probabilities(logits, params)
         if params.seed is not None:
             positions = position + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])  # [n+1]

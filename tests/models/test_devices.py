@@ -94,12 +94,13 @@ def test_drafting_steps_stay_on_the_device(device):
         aux = torch.randn(7, len(AUX) * TINY_LLAMA["hidden_size"])
     cache = drafter.new_cache(2, 64)
     slots = torch.tensor([cache.allocate(), cache.allocate()])
-    out = drafter(torch.randint(0, 96, (7,)), drafter.combine_aux(aux), cache, slots, torch.tensor([4, 3]))
-    assert out.logits.device == device and out.next_hidden.device == device
+    last = torch.tensor([3, 6])  # each sequence's last row, the proposer's way
+    out = drafter(torch.randint(0, 96, (7,)), drafter.combine_aux(aux), cache, slots, torch.tensor([4, 3]), rows=last)
+    assert out.logits.device == device and out.next_hidden.device == device and out.logits.shape[0] == 2
     block = torch.ones(2, 2, 2, dtype=torch.bool)
     out = drafter(
         torch.randint(0, 96, (4,)),
-        out.next_hidden[:4],
+        out.next_hidden.repeat_interleave(2, dim=0),
         cache,
         slots,
         torch.tensor([2, 2]),

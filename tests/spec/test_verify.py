@@ -125,3 +125,22 @@ def test_nan_logits_are_the_requests_error():
     masked = torch.zeros(1, V)
     masked[0, 1:] = float("-inf")  # -inf is a mask, not an error
     assert Verifier().verify(DraftTree.empty(), masked, SamplingParams(temperature=1.0), None, 0).next_token == 0
+
+
+def test_the_batchs_max_gives_argmaxs_choice_and_catches_what_the_request_holds():
+    """The target worker takes `logits.max(-1)` once per call (`best`): its index is argmax's, ties included (the
+    first maximal value, which bf16 logits hit), and a row's NaN or +inf reaches its max."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(8, V)).to(torch.bfloat16)
+    logits[:, 5] = logits.max(dim=-1).values  # ties with an earlier or later maximum
+    values, indices = logits.max(dim=-1)
+    assert torch.equal(indices, logits.argmax(dim=-1))
+    tree = DraftTree.chain([int(indices[0]), int(indices[1]), 0])
+    got = Verifier().verify(tree, logits[:4], SamplingParams(), None, 0, (values[:4], indices[:4]))
+    assert got == Verifier().greedy(tree, logits[:4].argmax(dim=-1))
+    for bad in (float("nan"), float("inf")):
+        poisoned = logits.clone()
+        poisoned[6, 2] = bad
+        values, indices = poisoned.max(dim=-1)
+        with pytest.raises(ValueError, match="NaN or"):
+            Verifier().verify(DraftTree.empty(), poisoned[6:7], SamplingParams(), None, 0, (values[6:7], indices[6:7]))

@@ -36,6 +36,21 @@ def _serving_chain(drafter, tokens: torch.Tensor, aux: torch.Tensor, row: int, s
     return logits
 
 
+def test_a_drafting_step_for_some_rows_is_the_full_steps_rows(target):
+    """Drafting commits every new pair but reads each sequence's last row only (`rows`): the same values."""
+    drafter = random_drafter(target.hf_config, draft_vocab_size=64, seed=5, variant="eagle3.1")
+    drafter.share_embedding(target.embed_tokens)
+    tokens, aux = torch.randint(0, 96, (9,)), torch.randn(9, len(drafter.config.aux_layer_ids) * 64)
+    outs = []
+    for rows in (None, torch.tensor([4, 8])):
+        cache = drafter.new_cache(2, 32)
+        slots = torch.tensor([cache.allocate(), cache.allocate()])
+        outs.append(drafter(tokens, drafter.combine_aux(aux), cache, slots, torch.tensor([5, 4]), rows=rows))
+    full, some = outs
+    torch.testing.assert_close(some.logits, full.logits[[4, 8]])
+    torch.testing.assert_close(some.next_hidden, full.next_hidden[[4, 8]])
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_unroll_equals_serving_chain(target, name):
     drafter = random_drafter(target.hf_config, draft_vocab_size=64, seed=3, **VARIANTS[name])
