@@ -40,7 +40,8 @@ def test_a_drafting_step_for_some_rows_is_the_full_steps_rows(target):
     """Drafting commits every new pair but reads each sequence's last row only (`rows`): the same values."""
     drafter = random_drafter(target.hf_config, draft_vocab_size=64, seed=5, variant="eagle3.1")
     drafter.share_embedding(target.embed_tokens)
-    tokens, aux = torch.randint(0, 96, (9,)), torch.randn(9, len(drafter.config.aux_layer_ids) * 64)
+    width = len(drafter.config.aux_layer_ids) * target.hf_config["hidden_size"]
+    tokens, aux = torch.randint(0, 96, (9,)), torch.randn(9, width)
     outs = []
     for rows in (None, torch.tensor([4, 8])):
         cache = drafter.new_cache(2, 32)
