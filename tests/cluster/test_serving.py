@@ -217,14 +217,14 @@ def test_draft_node_killed(netcluster, served):
 
 def test_target_node_killed(netcluster, served):
     """Every process of the target node killed (the target worker and the scheduler with it): requests in flight
-    end with an error the client sees (an HTTP status or the stream's error event, or the stream cut), none hangs
-    past the request timeout; once a replacement target node joins, new requests are served."""
+    end with an error the client sees (an HTTP status or the stream's error event, or the stream cut) or with
+    their whole answer, never one cut short; none is served while no target node is up, none hangs past the
+    request timeout; once a replacement target node joins, new requests are served."""
     load = Load(served.url)
     try:
         wait_for(lambda: len(load.records) >= 2, 120, "requests served before the fault")
         killed = time.monotonic()
         processes = netcluster.kill("target")
-        gone = time.monotonic() + 0.5  # the kill returned; what the router had already relayed has reached us
         time.sleep(10)
         netcluster.add_node("target", RESOURCES["target"])
         joined = time.monotonic()
@@ -235,19 +235,25 @@ def test_target_node_killed(netcluster, served):
         )
     finally:
         records = load.stop()
-    # In flight: sent before the kill and still streaming once every process was gone. One that ended between the
-    # two had its last tokens made before its process died and relayed after (seen in CI: it succeeded, 2 vs 1).
-    in_flight = [r for r in records if r["sent"] < killed and r["ended"] > gone]
+    # In flight: sent before the kill, not ended by then. One may still succeed after it: its tokens were all made
+    # before its process died and relayed after (seen in CI). No margin of time tells the two apart on a loaded
+    # machine (relays came >0.5 s after the kill, errors 1.4-1.9 s), so what is checked is what the client got:
+    # either an error it sees, or the whole answer (ignore_eos: exactly max_tokens), never a stream cut short.
+    in_flight = [r for r in records if r["sent"] < killed < r["ended"]]
+    # Sent with no target node and ended before one joined: nothing could have served it.
+    no_target = [r for r in records if killed < r["sent"] and r["ended"] < joined]
     out = summary(records, killed) | {
         "processes_killed": processes,
         "in_flight_at_kill": len(in_flight),
         "in_flight_failed": sum("error" in r for r in in_flight),
-        "served_with_no_target": sum(gone < r["ended"] < joined and "error" not in r for r in records),
+        "in_flight_cut_short": sum("error" not in r and r["tokens"] != load.max_tokens for r in in_flight),
+        "sent_with_no_target": len(no_target),
+        "served_with_no_target": sum("error" not in r for r in no_target),
         "served_after_replacement_s": round(served_again - joined, 1),
     }
     print("target node killed:", out)
-    assert out["in_flight_failed"] == out["in_flight_at_kill"] > 0, out
-    assert out["served_with_no_target"] == 0, out
+    assert out["in_flight_failed"] > 0 and out["in_flight_cut_short"] == 0, out
+    assert out["served_with_no_target"] == 0, out  # (those sent then mostly wait for the replacement)
     assert out["longest_s"] <= 300 + 30, out  # request_timeout_s (app_args), and the client's own read
 
 
