@@ -79,13 +79,16 @@ def _attend_rowwise(
     tree nodes under a mask than alone, which in bf16 changed greedy outputs (SmolLM2 on MT-Bench: 12 of 40
     answers equal to target-only decoding).
 
-    Scores are fp32 products (each one the same dot product wherever its key sits). A tree node's keys sit
-    between masked siblings, and a short sequence's beside a longer one's padding, so a vectorised sum over keys
-    adds them in other lanes than the decode step of the same tokens alone does: with fp32 sums, 8 of 40 tree
-    answers still differed. Blocks of up to 64 queries (decoding, verification) therefore take the softmax and the
-    weighted sum in fp64, whose rounding differences lie far below what the cast back to bf16 keeps. Longer blocks
-    (prefill) stay in fp32, each sequence over its own `sizes` (new tokens, keys), `rows` queries at a time: the
-    products a prompt has alone, whatever it is batched with."""
+    A tree node's keys sit between masked siblings, and a short sequence's beside a longer one's padding, so a
+    vectorised sum over keys adds them in other lanes than the decode step of the same tokens alone does: with
+    fp32 sums, 8 of 40 tree answers still differed. Blocks of up to 64 queries (decoding, verification)
+    therefore take the scores, the softmax and the weighted sum in fp64, whose rounding differences lie far below
+    what the cast back to bf16 keeps. (fp32 scores were the same dot product wherever a key sat on an Intel CPU
+    with AMX, not on an AMD EPYC: there MKL's fp32 product changed with the number of keys, and a sequence
+    decoded in a batch of 8 left its greedy answer alone at the 6th token; fp64 costs a 16-sequence decode step
+    ~6 ms of 60 there, one sequence's <1%.) Longer blocks (prefill) stay in fp32, each sequence over its own
+    `sizes` (new tokens, keys), `rows` queries at a time: the products a prompt has alone, whatever it is
+    batched with."""
     b, heads, t, hd = q_bhtd.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
@@ -98,13 +101,13 @@ def _attend_rowwise(
             )
         return out
     exact = torch.float64 if t <= 64 else torch.float32
-    q = q_bhtd.reshape(b, kv_heads, groups, t, hd).float()
-    k, v = keys.float().transpose(-1, -2), values.to(exact)  # [B, kv, hd, S], [B, kv, S, hd]
+    q = q_bhtd.reshape(b, kv_heads, groups, t, hd).to(exact)
+    k, v = keys.to(exact).transpose(-1, -2), values.to(exact)  # [B, kv, hd, S], [B, kv, S, hd]
     out = []
     for start in range(0, t, rows):
         r = min(rows, t - start)
         chunk = q[:, :, :, start : start + r].reshape(b, kv_heads, groups * r, hd)  # query heads of a kv head as rows
-        scores = torch.matmul(chunk, k).mul_(1.0 / math.sqrt(hd)).to(exact)  # [B, kv, g * r, S]
+        scores = torch.matmul(chunk, k).mul_(1.0 / math.sqrt(hd))  # [B, kv, g * r, S]
         if mask is not None:
             seen = mask[:, :, start : start + r].unsqueeze(2).expand(b, 1, groups, r, span)
             scores.masked_fill_(~seen.reshape(b, 1, groups * r, span), float("-inf"))
@@ -441,7 +444,8 @@ class RowBlockLinear(nn.Module):
     oneDNN computes a row of a bf16 product to the same bits whatever the row count, up to a size where it
     switches kernels (32 rows on the AMX CPU here: past it, results move by up to 0.5 in SmolLM2's logits). Cut
     into blocks below that size, a token's output is the same in a decode step, a verify step and any batch: what
-    greedy speculation needs to equal target-only decoding. `row_exact_block` finds the size on this CPU."""
+    greedy speculation needs to equal target-only decoding. `row_exact_block` finds the size on this CPU. A lone
+    row goes through the same matrix kernel as the others (`_row_block`)."""
 
     def __init__(self, linear: nn.Linear, rows: int) -> None:
         super().__init__()
@@ -452,9 +456,20 @@ class RowBlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= self.rows:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.cat([F.linear(part, self.weight, self.bias) for part in flat.split(self.rows)])
+            out = _row_block(flat, self.weight, self.bias)
+        else:
+            out = torch.cat([_row_block(part, self.weight, self.bias) for part in flat.split(self.rows)])
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _row_block(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on a block of rows, a lone row with a zero row beside it: alone, a row takes a matrix-vector
+    kernel that sums in another order than the matrix kernel of two or more (on an AMD EPYC with AVX512-BF16,
+    SmolLM2's down projection [576 x 1536]: one row alone differed from the same row in any block, and greedy
+    decoding alone from decoding in a batch), at no cost here (1 row of the LM head: 3.6 ms, 2 rows: 3.4)."""
+    if x.shape[0] == 1:
+        return F.linear(torch.cat([x, torch.zeros_like(x)]), weight, bias)[:1]
+    return F.linear(x, weight, bias)
 
 
 _ROW_EXACT: dict[tuple[int, int], int] = {}
@@ -462,9 +477,9 @@ _ROW_EXACT: dict[tuple[int, int], int] = {}
 
 def row_exact_block(in_features: int, out_features: int, most: int = 64) -> int:
     """The most rows (<= `most`) a bf16 CPU product of this shape takes while every row keeps the bits it has
-    alone, probed once per shape and process on random rows of three kinds (plain; scaled over six orders of
-    magnitude with a tenth of zeros, as activations are; the two mixed): on one kind alone the size found can be
-    too large (SmolLM2's q|k|v: 63 on plain rows, 32 on scaled ones)."""
+    alone (`_row_block` of the row), probed once per shape and process on random rows of three kinds (plain;
+    scaled over six orders of magnitude with a tenth of zeros, as activations are; the two mixed): on one kind
+    alone the size found can be too large (SmolLM2's q|k|v: 63 on plain rows, 32 on scaled ones)."""
     key = (in_features, out_features)
     if key not in _ROW_EXACT:
         gen = torch.Generator().manual_seed(0)
@@ -475,9 +490,9 @@ def row_exact_block(in_features: int, out_features: int, most: int = 64) -> int:
         mixed = torch.where(torch.rand(most, 1, generator=gen) < 0.5, plain, plain * scale)
         best = most
         for x in (plain.to(torch.bfloat16), (plain * scale).to(torch.bfloat16), mixed.to(torch.bfloat16)):
-            alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(most)])
+            alone = torch.cat([_row_block(x[i : i + 1], weight, None) for i in range(most)])
             rows = 2
-            while rows <= best and torch.equal(F.linear(x[:rows], weight), alone[:rows]):
+            while rows <= best and torch.equal(_row_block(x[:rows], weight, None), alone[:rows]):
                 rows += 1
             best = rows - 1
         _ROW_EXACT[key] = best

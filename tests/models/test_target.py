@@ -251,17 +251,19 @@ def test_bf16_attention_on_the_cpu_gives_a_tree_node_the_bits_of_its_decode_step
     torch.testing.assert_close(block.float(), reference, rtol=2e-2, atol=2e-2)
 
 
-def test_bf16_products_on_the_cpu_give_each_row_the_bits_it_has_alone():
-    """`RowBlockLinear` over 100 rows of SmolLM2's MLP shape (one product of all rows: 15 rows differ here, where
-    oneDNN switches kernels past 32): each row as it is alone."""
+@pytest.mark.parametrize(("fan_in", "fan_out"), [(576, 1536), (1536, 576)])
+def test_bf16_products_on_the_cpu_give_each_row_the_bits_it_has_alone(fan_in, fan_out):
+    """`RowBlockLinear` over 100 rows of SmolLM2's MLP shapes (one product of all rows: 15 rows of the up
+    projection differ on an Intel CPU with AMX, where oneDNN switches kernels past 32; on an AMD EPYC a lone row of
+    the down projection took another kernel than the same row beside others): each row as it is alone."""
     from torch import nn
 
     from orchestrator.models.layers import RowBlockLinear, row_exact_block
 
     gen = torch.Generator().manual_seed(1)
-    linear = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
-    block = RowBlockLinear(linear, row_exact_block(576, 1536))
-    x = torch.randn(100, 576, generator=gen).to(torch.bfloat16)
+    linear = nn.Linear(fan_in, fan_out, bias=True).to(torch.bfloat16)
+    block = RowBlockLinear(linear, row_exact_block(fan_in, fan_out))
+    x = torch.randn(100, fan_in, generator=gen).to(torch.bfloat16)
     together = block(x)
     assert all(torch.equal(together[i], block(x[i : i + 1])[0]) for i in range(100))
     torch.testing.assert_close(together, linear(x), rtol=2e-2, atol=2e-2)
