@@ -91,7 +91,7 @@ def measure(engine, prompts, params):
             acc["sched_to_target"] += payload_nbytes(keep)
             acc["target_to_sched"] += ro.nbytes
         elif method == "propose":
-            requests, pairs, reset = args
+            requests, reset, *_ = args
             acc["draft_calls"] += 1
             acc["sched_to_draft"] += payload_nbytes(requests) + payload_nbytes(list(reset))
             acc["draft_to_sched"] += out[0].nbytes

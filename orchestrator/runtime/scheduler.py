@@ -410,7 +410,7 @@ class SpecScheduler:
         # a catch-up carries whole histories (long on a CPU): it gets the target's bound, not the drafter's
         timeout = None if sync is Sync.IN_SYNC else self.cfg.worker_timeout_s
         try:
-            out, trees_ref = await self.draft.call("propose", requests, pairs, reset, returns=2, timeout_s=timeout)
+            out, trees_ref = await self.draft.call("propose", requests, reset, *pairs, returns=2, timeout_s=timeout)
         except WorkerLost as err:
             self._draft_lost(str(err))
             return None
@@ -470,7 +470,7 @@ class SpecScheduler:
         rs = [r for r in group.requests.values() if r.draftable]  # now: a request that ended is not sent again
         requests = [(r.id, r.params, 0) for r in rs]  # no nodes: the drafter commits the states, drafts nothing
         try:
-            out, _ = await self.draft.call("propose", requests, pairs, [], returns=2)
+            out, _ = await self.draft.call("propose", requests, [], *pairs, returns=2)
         except WorkerLost as err:
             self._draft_lost(str(err))
             return

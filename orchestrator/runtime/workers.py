@@ -414,18 +414,15 @@ class DraftWorker:
 
     @torch.inference_mode()
     def propose(
-        self, requests: list[tuple[str, SamplingParams, int]], pairs: list, reset: Sequence[str] = ()
+        self, requests: list[tuple[str, SamplingParams, int]], reset: Sequence[str] = (), *pairs: Pairs
     ) -> tuple[DraftOutput, dict[str, DraftTree]]:
-        """requests: (request_id, params, most nodes); pairs: `Pairs` (or Ray refs to them) not yet drafted
-        from, oldest first; reset: requests whose pairs are their whole history again (forget them first).
-        Pairs of requests not drafted now (ended meanwhile) are dropped."""
+        """requests: (request_id, params, most nodes); reset: requests whose pairs are their whole history again
+        (forget them first); pairs: `Pairs` not yet drafted from, oldest first, each its own argument (Ray
+        resolves a top-level ref before the call, inlined when small; a ref inside a list would cost this
+        worker a `ray.get`, one more round trip per call). Pairs of requests not drafted now are dropped."""
         self._check_built()
         began, stamp = time.perf_counter(), time.time()
         self.release(list(reset))
-        if any(not isinstance(p, Pairs) for p in pairs):
-            import ray
-
-            pairs = [p if isinstance(p, Pairs) else ray.get(p) for p in pairs]
         new: dict[str, list[Pair]] = {}
         for p in pairs:
             for rid, pair in p.split().items():

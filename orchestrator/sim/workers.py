@@ -265,7 +265,7 @@ class SimDraft(SimWorker):
     async def ready(self) -> dict:
         return {"free_slots": self.free_slots, "max_requests": self.max_requests, "incarnation": "sim"}
 
-    async def propose(self, requests: list[tuple], pairs: list[SimPairs], reset: list[str] = ()):
+    async def propose(self, requests: list[tuple], reset: list[str] = (), *pairs: SimPairs):
         self._release(list(reset))
         new: dict[str, int] = {}
         for p in pairs:

@@ -49,9 +49,9 @@ def test_the_scheduler_counts_every_byte_one_worker_hands_the_other():
     target, draft = h.target.worker, h.draft.worker
     propose, verify = draft.propose, target.verify
 
-    def counting_propose(requests, pairs, reset=()):
+    def counting_propose(requests, reset=(), *pairs):
         sent["target_to_draft"] += sum(payload_nbytes(p) for p in pairs)
-        out, trees = propose(requests, pairs, reset)
+        out, trees = propose(requests, reset, *pairs)
         assert isinstance(out, DraftOutput) and out.trees_bytes == payload_nbytes(trees)
         return out, trees
 

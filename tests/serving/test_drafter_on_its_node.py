@@ -8,6 +8,7 @@ import functools
 import json
 import pickle
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def _factory(ref: DrafterRef, target_dir: Path, cache_dir: str = "runs/drafter-c
 
 def _draft(worker: DraftWorker, width: int) -> list[int]:
     aux = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
-    _, trees = worker.propose([("r", GREEDY, 2)], [Pairs(["r"], [3], torch.tensor([5, 6, 7]), aux)])
+    _, trees = worker.propose([("r", GREEDY, 2)], (), Pairs(["r"], [3], torch.tensor([5, 6, 7]), aux))
     return trees["r"].tokens.tolist()
 
 
@@ -105,7 +106,7 @@ def test_a_drafter_the_worker_cannot_load_is_one_line_at_ready(fault, s3, tiny_d
     assert re.match(r"the draft worker \(node [^)]+\) has no proposer: ", message) and "\n" not in message
     assert expected in message, message
     with pytest.raises(AerieError, match="has no proposer"):
-        worker.propose([("r", GREEDY, 2)], [])
+        worker.propose([("r", GREEDY, 2)])
     assert list((tmp_path / "cache").rglob(".tmp-*")) == [], "no half-written download left"
 
 
@@ -128,3 +129,57 @@ def test_through_ray_the_replica_gets_the_workers_error_in_one_line(serve_sessio
     message = str(err.value)
     assert "\n" not in message and message.startswith("draft worker: the draft worker (node "), message
     assert "drafter '/nonexistent/drafter' is not a directory with a config.json" in message, message
+
+
+def _lost(ref) -> bool:
+    import ray
+
+    try:
+        ray.get(ref, timeout=10)
+    except ray.exceptions.ObjectLostError:
+        return True
+    return False
+
+
+@pytest.mark.ray
+def test_through_ray_pairs_lost_before_a_draft_call_fail_that_call_not_the_worker(serve_session, tiny_dir, drafter_dir):
+    """The scheduler hands the drafter each `Pairs` as a top-level Ray argument. One lost before the call (here its
+    owner died; served, the target's node) fails that call (`WorkerFailed`: the round goes target-only and the
+    drafter is sent whole histories), never `WorkerLost`, which would take a live drafter out of service."""
+    import asyncio
+
+    import ray
+
+    from orchestrator.runtime.clients import RemoteWorker, WorkerFailed
+
+    width = 3 * json.loads((tiny_dir / "config.json").read_text())["hidden_size"]
+    factory = functools.partial(load_eagle_proposer, drafter_dir, str(tiny_dir), 2, 1, 2)
+    actor = ray.remote(DraftWorker).options(num_cpus=0, max_restarts=0, max_task_retries=0).remote(factory, 2)
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def pairs(self, n: int) -> list:  # in a list: the ref stays the owner's, in the object store (> 100 KB)
+            return [ray.put(Pairs(["r"], [n], torch.full((n,), 5), torch.randn(n, width)))]
+
+        def alive(self) -> bool:
+            return True
+
+    try:
+        worker = RemoteWorker(actor, timeout_s=120)
+        owner = Owner.remote()
+        [lost] = ray.get(owner.pairs.remote(4096))
+        ray.kill(owner)
+        with pytest.raises(ray.exceptions.RayActorError):  # dead, not only asked to die
+            ray.get(owner.alive.remote(), timeout=60)
+        deadline = time.monotonic() + 60  # its objects are known lost about a second after its death
+        while not _lost(lost):
+            assert time.monotonic() < deadline, "the dead owner's object is still served"
+            time.sleep(0.5)
+        with pytest.raises(WorkerFailed, match="could not be computed"):
+            asyncio.run(worker.call("propose", [("r", GREEDY, 2)], (), lost, returns=2))
+        aux = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
+        pairs = ray.put(Pairs(["r"], [3], torch.tensor([5, 6, 7]), aux))
+        out, trees = asyncio.run(worker.call("propose", [("r", GREEDY, 2)], ["r"], pairs, returns=2))
+        assert list(out.sketches) == ["r"] and ray.get(trees)["r"].size > 0, "the same worker drafts on"
+    finally:
+        ray.kill(actor)
