@@ -85,10 +85,10 @@ def _attend_rowwise(
     therefore take the scores, the softmax and the weighted sum in fp64, whose rounding differences lie far below
     what the cast back to bf16 keeps. (fp32 scores were the same dot product wherever a key sat on an Intel CPU
     with AMX, not on an AMD EPYC: there MKL's fp32 product changed with the number of keys, and a sequence
-    decoded in a batch of 8 left its greedy answer alone at the 6th token; fp64 costs a 16-sequence decode step
-    ~6 ms of 60 there, one sequence's <1%.) Longer blocks (prefill) stay in fp32, each sequence over its own
-    `sizes` (new tokens, keys), `rows` queries at a time: the products a prompt has alone, whatever it is
-    batched with."""
+    decoded in a batch of 8 got other attention outputs than alone from its 6th step on; fp64 costs a
+    16-sequence decode step ~6 ms of 60 there, one sequence's <1%.) Longer blocks (prefill) stay in fp32, each
+    sequence over its own `sizes` (new tokens, keys), `rows` queries at a time: the products a prompt has alone,
+    whatever it is batched with."""
     b, heads, t, hd = q_bhtd.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
