@@ -1,6 +1,7 @@
 """The target's step on this CPU in float32 and bfloat16: a decode step (1 token) and verify steps (a causal block
 of k tokens) after a prompt of `--context` tokens, both dtypes in one process, interleaved in a shuffled order and
-repeated, so the machine's drift falls on both alike.
+repeated, so the machine's drift falls on both alike. `--sequences N`: a batch of N such sequences, each stepping
+k tokens at once (4 users verifying 6-node trees: `--sequences 4 --tokens 1 6`).
 
     python -m orchestrator.benchmarks.cpu_dtype --model models/smollm2-135m-instruct --threads 2
 
@@ -21,17 +22,19 @@ import torch
 from orchestrator.models.target import TargetModel, read_hf_config
 
 
-def step_ms(model: TargetModel, cache, slot: int, k: int) -> float:
-    """One forward of k new tokens (k = 1: a decode step; else a causal block, as a chain is verified), then the
-    cache back to where it was."""
-    start = int(cache.lengths[slot])
-    tokens = torch.randint(0, model.vocab_size, (k,))
-    block = torch.ones(k, k, dtype=torch.bool).tril()[None] if k > 1 else None
-    positions = torch.arange(start, start + k) if k > 1 else None
+def step_ms(model: TargetModel, cache, slots: list[int], k: int) -> float:
+    """One forward of k new tokens in each sequence of `slots` (k = 1: a decode step; else a causal block, as a
+    chain is verified), then the cache back to where it was."""
+    starts = [int(cache.lengths[s]) for s in slots]
+    tokens = torch.randint(0, model.vocab_size, (k * len(slots),))
+    block = torch.ones(k, k, dtype=torch.bool).tril().repeat(len(slots), 1, 1) if k > 1 else None
+    positions = torch.cat([torch.arange(s, s + k) for s in starts]) if k > 1 else None
+    num = torch.full((len(slots),), k)
     began = time.perf_counter()
-    model(tokens, cache, torch.tensor([slot]), torch.tensor([k]), positions=positions, block_mask=block)
+    model(tokens, cache, torch.tensor(slots), num, positions=positions, block_mask=block)
     took = time.perf_counter() - began
-    cache.truncate(slot, start)
+    for slot, start in zip(slots, starts, strict=True):
+        cache.truncate(slot, start)
     return 1e3 * took
 
 
@@ -42,17 +45,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=300, help="prompt tokens before the timed steps")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 5, 9], help="tokens per timed step")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--sequences", type=int, default=1, help="sequences stepped together (a batch of users)")
     args = p.parse_args(argv)
+    if min(args.sequences, args.context, args.repeats, *args.tokens) < 1:
+        p.error("--sequences, --context, --repeats and --tokens take positive numbers")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     prompt = torch.randint(0, read_hf_config(args.model)["vocab_size"], (args.context,))
     runs = {}
     for dtype in ("float32", "bfloat16"):
         model = TargetModel.from_pretrained(args.model, dtype=dtype, device="cpu")
-        cache = model.new_cache(1, args.context + max(args.tokens) + 1)
-        slot = cache.allocate()
-        model(prompt, cache, torch.tensor([slot]), torch.tensor([args.context]), logits="last")
-        runs[dtype] = (model, cache, slot)
+        cache = model.new_cache(args.sequences, args.context + max(args.tokens) + 1)
+        slots = [cache.allocate() for _ in range(args.sequences)]
+        for slot in slots:
+            model(prompt, cache, torch.tensor([slot]), torch.tensor([args.context]), logits="last")
+        runs[dtype] = (model, cache, slots)
     times: dict[tuple[str, int], list[float]] = {}
     for rep in range(args.repeats):
         order = [(d, k) for d in runs for k in args.tokens]
