@@ -1,14 +1,15 @@
 """Draft tree shapes side by side, in process: the `SpecEngine` (whole trees, every round drafted) at concurrency 1
 on MT-Bench first turns, each request its own answer length as in the serving benchmark, the shapes in alternating
-order over `--passes`, so the machine's drift falls on all of them.
+order over `--passes`, so the machine's drift falls on all of them. `off` is target-only decoding; `--batch B` serves
+the prompts B at a time, as B users would (the next prompt takes the place of an answer that ended).
 
     python -m orchestrator.benchmarks.tree_shapes --drafter drafters/smollm2-135m-broad-eagle3.1 \
-        --dtype bfloat16 --shapes 4/2/8 3/3/7 2/3/5
+        --dtype bfloat16 --shapes 4/2/8 3/3/7 2/3/5 off
 
-prints one line per shape and pass (DEPTH/TOPK/BUDGET): ms per generated token, tau, draft and verify compute per
-round, and the share of drafts accepted to each depth; then each shape's mean ms per token. What a shape costs
-served adds the actor calls to every round (~8 ms here, docs/benchmarks.md), which favours shapes that accept more
-per round; `jobs.benchmark_serving` with `app_overrides=[spec.depth=..]` measures that.
+prints one line per shape and pass (DEPTH/TOPK/BUDGET): ms per generated token and user, tau, draft and verify
+compute per round, and the share of drafts accepted to each depth; then each shape's mean ms per token. What a
+shape costs served adds the actor calls to every round (~8 ms here, docs/benchmarks.md), which favours shapes that
+accept more per round; `jobs.benchmark_serving` with `app_overrides=[spec.depth=..]` measures that.
 """
 
 from __future__ import annotations
@@ -21,20 +22,30 @@ import torch
 
 from orchestrator.errors import AerieError, exit_status
 
+OFF = (0, 0, 0)  # target-only decoding
+
 
 def parse_shape(text: str) -> tuple[int, int, int]:
-    """'DEPTH/TOPK/BUDGET' -> (depth, topk, budget), checked as the server's `spec` is."""
+    """'DEPTH/TOPK/BUDGET' -> (depth, topk, budget), checked as the server's `spec` is; 'off': `OFF`."""
     from pydantic import ValidationError
 
     from orchestrator.spec.proposer import SpecConfig
 
+    if text == "off":
+        return OFF
     try:
         depth, topk, budget = (int(x) for x in text.split("/"))
         SpecConfig(method="tree", depth=depth, topk=topk, budget=budget)
     except (ValueError, ValidationError) as err:
-        why = err.errors()[0]["msg"] if isinstance(err, ValidationError) else "give DEPTH/TOPK/BUDGET, e.g. 2/3/5"
+        why = (
+            err.errors()[0]["msg"] if isinstance(err, ValidationError) else "give DEPTH/TOPK/BUDGET (e.g. 2/3/5) or off"
+        )
         raise AerieError(f"shape {text!r}: {why}") from None
     return depth, topk, budget
+
+
+def name(shape: tuple[int, int, int]) -> str:
+    return "off" if shape == OFF else "/".join(map(str, shape))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="prompts generated together")
     args = p.parse_args(argv)
     return exit_status(lambda: run(args))
 
@@ -62,15 +74,15 @@ def run(args: argparse.Namespace) -> None:
 
     shapes = [parse_shape(s) for s in args.shapes]
     lo, hi = args.lengths
-    if not 1 <= lo <= hi or args.prompts < 1 or args.passes < 1:
-        raise AerieError("--lengths LO HI with 1 <= LO <= HI, and --prompts and --passes of at least 1")
+    if not 1 <= lo <= hi or min(args.prompts, args.passes, args.batch) < 1:
+        raise AerieError("--lengths LO HI with 1 <= LO <= HI, and --prompts, --passes and --batch of at least 1")
     torch.set_num_threads(args.threads)
     engines = {
         s: load_engine(
             args.model,
-            args.drafter,
-            SpecConfig(method="tree", depth=s[0], topk=s[1], budget=s[2]),
-            max_batch=1,
+            None if s == OFF else args.drafter,
+            None if s == OFF else SpecConfig(method="tree", depth=s[0], topk=s[1], budget=s[2]),
+            max_batch=args.batch,
             dtype=args.dtype,
         )
         for s in shapes
@@ -83,26 +95,25 @@ def run(args: argparse.Namespace) -> None:
     ms: dict[tuple[int, int, int], list[float]] = {s: [] for s in shapes}
     for n in range(args.passes):
         for shape in shapes if n % 2 == 0 else shapes[::-1]:
-            engine, acceptance, totals, tokens = engines[shape], Acceptance(), {}, 0
+            engine, acceptance, tokens = engines[shape], Acceptance(), 0
             began = time.perf_counter()
-            for prompt, length in zip(prompts, lengths, strict=True):
-                params = SamplingParams(max_tokens=length, ignore_eos=True)
-                out = engine.generate([prompt], params)[0]
+            # up to `batch` at a time: the next prompt takes the place of an answer that ended
+            for out in engine.generate(prompts, [SamplingParams(max_tokens=k, ignore_eos=True) for k in lengths]):
                 acceptance, tokens = acceptance + out.acceptance, tokens + len(out.token_ids)
-                for k in ("rounds", "draft_compute_s", "verify_compute_s"):
-                    totals[k] = totals.get(k, 0) + engine.last_stats.get(k, 0)
-            ms[shape].append(1e3 * (time.perf_counter() - began) / max(1, tokens))
+            totals = {k: engine.last_stats.get(k, 0) for k in ("rounds", "draft_compute_s", "verify_compute_s")}
+            per_user = tokens / min(args.batch, len(prompts))  # up to `batch` users decode side by side
+            ms[shape].append(1e3 * (time.perf_counter() - began) / max(1, per_user))
             rounds, drafts = max(1, totals["rounds"]), max(1, acceptance.drafts)
             per_depth = " / ".join(f"{a / drafts:.3f}" for a in acceptance.accepted_per_pos)
             print(
-                f"{'/'.join(map(str, shape))} pass {n}: {ms[shape][-1]:.1f} ms per token, tau "
+                f"{name(shape)} pass {n}: {ms[shape][-1]:.1f} ms per token, tau "
                 f"{acceptance.acceptance_length:.3f}, draft {1e3 * totals['draft_compute_s'] / rounds:.1f} ms, "
                 f"verify {1e3 * totals['verify_compute_s'] / rounds:.1f} ms per round, accepted to depth "
                 f"{per_depth}",
                 flush=True,
             )
     for shape, values in ms.items():
-        print(f"{'/'.join(map(str, shape))}: {statistics.mean(values):.1f} ms per token over {len(values)} passes")
+        print(f"{name(shape)}: {statistics.mean(values):.1f} ms per token over {len(values)} passes")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,18 @@ def test_each_shape_is_timed_in_every_pass(tiny_chat, tiny_drafter, capsys):
     assert [line.split(":")[0] for line in lines[-2:]] == ["2/2/3", "1/2/2"]
 
 
+def test_batches_and_target_only_decoding_are_timed_alike(tiny_chat, tiny_drafter, capsys):
+    argv = ["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--prompts", "3", "--lengths", "3", "5"]
+    assert main([*argv, "--shapes", "off", "2/2/3", "--passes", "1", "--batch", "2", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["off pass 0", "2/2/3 pass 0", "off", "2/2/3"]
+    assert "tau 1.000" in lines[0] and "draft 0.0 ms" in lines[0], lines[0]  # target-only: nothing drafted
+
+
 def test_a_bad_shape_is_one_line(tiny_chat, tiny_drafter, capsys):
     assert main(["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--shapes", "2/0/3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: shape '2/0/3'") and len(err.splitlines()) == 1
     assert main(["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--shapes", "2x3"]) == 2
+    assert "or off" in capsys.readouterr().err
+    assert main(["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--shapes", "off", "--batch", "0"]) == 2
