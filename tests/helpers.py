@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -267,3 +268,14 @@ def committed_checkpoint(storage: Path) -> bool:
             if json.loads(snapshot.read_text()).get("latest_checkpoint_result"):
                 return True
     return False
+
+
+def wait_for(cond, timeout_s: float, what: str, period_s: float = 0.5):
+    """cond()'s first true value, polled every period_s; AssertionError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(period_s)
+    raise AssertionError(f"not within {timeout_s:g} s: {what}")

@@ -16,12 +16,25 @@ def test_each_shape_is_timed_in_every_pass(tiny_chat, tiny_drafter, capsys):
     assert [line.split(":")[0] for line in lines[-2:]] == ["2/2/3", "1/2/2"]
 
 
-def test_batches_and_target_only_decoding_are_timed_alike(tiny_chat, tiny_drafter, capsys):
+def test_batches_and_target_only_decoding_are_timed_alike(tiny_chat, tiny_drafter, capsys, monkeypatch):
+    import orchestrator.engine
+
+    engines = []
+
+    def load_engine(*args, **kwargs):
+        engines.append(real(*args, **kwargs))
+        return engines[-1]
+
+    real = orchestrator.engine.load_engine
+    monkeypatch.setattr(orchestrator.engine, "load_engine", load_engine)
     argv = ["--model", str(tiny_chat), "--drafter", str(tiny_drafter), "--prompts", "3", "--lengths", "3", "5"]
     assert main([*argv, "--shapes", "off", "2/2/3", "--passes", "1", "--batch", "2", "--threads", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["off pass 0", "2/2/3 pass 0", "off", "2/2/3"]
     assert "tau 1.000" in lines[0] and "draft 0.0 ms" in lines[0], lines[0]  # target-only: nothing drafted
+    for engine in engines:  # two requests side by side in some rounds, never more
+        stats = engine.last_stats
+        assert stats["rounds"] < stats["batch"] <= 2 * stats["rounds"], stats
 
 
 def test_a_bad_shape_is_one_line(tiny_chat, tiny_drafter, capsys):

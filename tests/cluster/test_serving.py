@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.cluster.conftest import RESOURCES, Load, Watch, serve
-from tests.helpers import AUTH, QUESTIONS
+from tests.helpers import AUTH, QUESTIONS, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -112,16 +112,6 @@ def test_serving_across_nodes(netcluster, served, references):
     # the drafter sends back is its trees (counted) plus its reply and TCP's acknowledgements (not counted)
     assert abs(link["rx"] / counted["rx"] - 1) <= 0.10, (link, counted)
     assert link["tx"] >= counted["tx"]
-
-
-def wait_for(cond, timeout_s: float, what: str, period_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(period_s)
-    raise AssertionError(f"not within {timeout_s:g} s: {what}")
 
 
 def summary(records: list[dict], t0: float) -> dict:

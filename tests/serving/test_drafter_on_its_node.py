@@ -8,7 +8,6 @@ import functools
 import json
 import pickle
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from orchestrator.runtime.workers import DraftWorker
 from orchestrator.spec.proposer import load_eagle_proposer
 from orchestrator.spec.sampling import SamplingParams
 from orchestrator.tracking.store import DrafterRef, read_drafter_ref
-from tests.helpers import random_drafter
+from tests.helpers import random_drafter, wait_for
 
 GREEDY = SamplingParams(max_tokens=8)
 
@@ -179,14 +178,10 @@ def test_through_ray_pairs_lost_before_a_draft_call_fail_that_call_not_the_worke
         owner = Owner.remote()
         [lost] = ray.get(owner.pairs.remote(4096))
         ray.kill(owner)
-        deadline = time.monotonic() + 60  # ray.kill is asynchronous: a call sent right after it may still be served
-        while not _dead(owner):
-            assert time.monotonic() < deadline, "the owner outlived ray.kill"
-            time.sleep(0.2)
-        deadline = time.monotonic() + 60  # its objects are known lost about a second after its death
-        while not _lost(lost):
-            assert time.monotonic() < deadline, "the dead owner's object is still served"
-            time.sleep(0.5)
+        # ray.kill is asynchronous (a call sent right after it may still be served); the dead owner's objects are
+        # known lost about a second after its death
+        wait_for(lambda: _dead(owner), 60, "the owner dead after ray.kill", period_s=0.2)
+        wait_for(lambda: _lost(lost), 60, "the dead owner's object known lost")
         with pytest.raises(WorkerFailed, match="could not be computed"):
             asyncio.run(worker.call("propose", [("r", GREEDY, 2)], (), lost, returns=2))
         aux = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
