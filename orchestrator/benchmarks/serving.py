@@ -286,6 +286,8 @@ def scheduler_delta(before: dict, after: dict) -> dict:
             out[f"{side}_call_ms"] = 1e3 * d[f"{side}_call_s"] / calls
             out[f"{side}_compute_ms"] = 1e3 * d[f"{side}_compute_s"] / calls
             out[f"{side}_overhead_ms"] = out[f"{side}_call_ms"] - out[f"{side}_compute_ms"]
+    if d.get("draft_calls"):
+        out["draft_waited_ms"] = 1e3 * d["draft_waited_s"] / d["draft_calls"]  # of draft_call_ms: on the round's path
     return out
 
 
@@ -373,10 +375,13 @@ def in_process_round_ms(app_args: dict, prompts: list[list[int]], max_tokens: in
 def round_costs(d: dict, wall_s: float, tokens: int) -> dict:
     """Milliseconds per target round, from the scheduler's totals over a stretch of `wall_s` seconds that yielded
     `tokens`: draft and verify compute (inside the workers), calls (the rest of each call: Ray, serialisation,
-    queues), and the remainder (scheduling, prefill bookkeeping, HTTP, idle)."""
+    queues), draft calls' time hidden behind the rest of the round (chained draft calls), and the remainder
+    (scheduling, prefill bookkeeping, HTTP, idle):
+    round = draft compute + verify compute + calls - hidden + rest."""
     rounds = max(1, d.get("rounds", 0))
     compute = {side: 1e3 * d.get(f"{side}_compute_s", 0) / rounds for side in ("draft", "verify")}
     calls = sum(1e3 * (d.get(f"{side}_call_s", 0) - d.get(f"{side}_compute_s", 0)) / rounds for side in compute)
+    hidden = 1e3 * (d.get("draft_call_s", 0) - d.get("draft_waited_s", 0)) / rounds
     round_ms = 1e3 * wall_s / rounds
     return {
         "rounds": d.get("rounds", 0),
@@ -384,7 +389,8 @@ def round_costs(d: dict, wall_s: float, tokens: int) -> dict:
         "draft_compute_ms": compute["draft"],
         "verify_compute_ms": compute["verify"],
         "calls_ms": calls,
-        "rest_ms": round_ms - compute["draft"] - compute["verify"] - calls,
+        "draft_hidden_ms": hidden,
+        "rest_ms": round_ms - compute["draft"] - compute["verify"] - calls + hidden,
         "ms_per_token": 1e3 * wall_s / max(1, tokens),
         "tokens_per_round": tokens / rounds,
     }
@@ -659,6 +665,7 @@ def format_table(result: dict) -> str:
             ("draft_compute_ms", "draft compute"),
             ("verify_compute_ms", "verify compute"),
             ("calls_ms", "worker calls beyond compute (Ray)"),
+            ("draft_hidden_ms", "draft calls hidden behind the rest (chained)"),
             ("rest_ms", "scheduling, prefill, HTTP, idle"),
             ("round_ms", "round"),
             ("tokens_per_round", "tokens per round"),

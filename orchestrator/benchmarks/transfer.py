@@ -38,10 +38,11 @@ class Metered(LocalWorker):
         super().__init__(worker)
         self.log = log
 
-    async def call(self, method, *args, returns=1, timeout_s=None):
-        out = await super().call(method, *args, returns=returns, timeout_s=timeout_s)
-        self.log.append((method, args, out))
-        return out
+    def submit(self, method, *args, returns=1):
+        done = super().submit(method, *args, returns=returns)
+        if done.error is None:
+            self.log.append((method, args, (done.value, *done.refs) if returns > 1 else done.value))
+        return done
 
 
 def measure(engine, prompts, params):

@@ -155,7 +155,8 @@ TOTALS = (
     "verified_tokens",
     "budget_tokens",
     "draft_calls",
-    "draft_call_s",
+    "draft_call_s",  # sent (a chained call: its verify call answered) to answered
+    "draft_waited_s",  # what rounds waited for their draft calls (less than draft_call_s where chained calls overlap)
     "draft_compute_s",
     "draft_errors",
     "verify_calls",
@@ -215,9 +216,11 @@ class Meter:
             self.export.round(len(drafted), verified, self.budget_tokens, drafted, accepted)
             self.export.verify_latency.observe(latency)
 
-    def draft_call(self, latency: float, compute_s: float) -> None:
+    def draft_call(self, latency: float, compute_s: float, waited: float) -> None:
+        """A draft call a round drafted from: its own time, its compute, and how long the round waited for it."""
         self.totals["draft_calls"] += 1
         self.totals["draft_call_s"] += latency
+        self.totals["draft_waited_s"] += waited
         self.totals["draft_compute_s"] += compute_s
         if self.export is not None:
             self.export.draft_latency.observe(latency)

@@ -89,23 +89,29 @@ class BudgetPolicy:
         self.cost = self.cost or LinearCost()
 
     def allocate(
-        self, sketches: list[tuple[torch.Tensor, torch.Tensor]], overhead_s: float = 0.0, whole: bool = False
+        self,
+        sketches: list[tuple[torch.Tensor, torch.Tensor]],
+        overhead_s: float = 0.0,
+        whole: bool = False,
+        caps: list[int] | None = None,
     ) -> tuple[list[list[int]], float]:
         """sketches: (parents [n], scores [n]) per request. Returns the nodes to verify per request (ascending)
         and the expected number of accepted draft tokens. `whole` (or adaptive off): every node of every tree,
-        up to max_nodes_per_request, whatever the budget and the cost model say."""
+        up to its cap, whatever the budget and the cost model say. caps: most nodes per request (default
+        max_nodes_per_request)."""
         n = len(sketches)
+        caps = [min(c, self.max_nodes_per_request) for c in caps] if caps else [self.max_nodes_per_request] * n
         trim = self.adaptive and not whole
-        room = max(0, self.budget_tokens - n) if trim else n * self.max_nodes_per_request
+        room = max(0, self.budget_tokens - n) if trim else sum(caps)
         if trim and self.cost.coefficients() is None:
-            room = self._probe_room(min(room, sum(min(len(p), self.max_nodes_per_request) for p, _ in sketches)))
+            room = self._probe_room(min(room, sum(min(len(p), c) for (p, _), c in zip(sketches, caps, strict=True))))
         order = BestFirst([(parents.tolist(), scores.tolist()) for parents, scores in sketches])
         chosen: list[list[int]] = [[] for _ in sketches]
         expected, taken = 0.0, 0
         best_rate = self._rate(n, 0.0, 0, overhead_s)
         while taken < room and (best := order.pop()) is not None:
             r, node = best
-            if len(chosen[r]) >= self.max_nodes_per_request:
+            if len(chosen[r]) >= caps[r]:
                 continue  # this request is full: its other nodes stay out
             p = min(1.0, self.calibration * math.exp(order.scores[r][node]))
             rate = self._rate(n, expected + p, taken + 1, overhead_s)

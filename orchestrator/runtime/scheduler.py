@@ -8,10 +8,13 @@ local objects. Live requests may be split into two micro-batches (`micro_batches
 
     admit waiting requests (prefill) -> draft -> BudgetPolicy picks the nodes to verify -> verify -> deliver
 
-so while the target verifies group A's trees the drafter drafts group B's, and neither side idles (one
-request: plain draft -> verify -> draft). Each round the global verification budget is split among the
-group's requests by expected acceptance, and the group's `ModeChooser` runs rounds target-only while they
-measure faster than drafted ones (both off with `adaptive: false`: every round verifies whole trees).
+so while the target verifies group A's trees the drafter drafts group B's, and neither side idles. With one
+micro-batch, each round's verify call carries the next round's draft call chained to it (`chain_drafts`): Ray
+hands the drafter the verified states as soon as the target returns them, and the drafter drafts while the
+scheduler delivers tokens, admits requests and chooses the next round. Each round the global verification
+budget is split among the group's requests by expected acceptance, and the group's `ModeChooser` runs rounds
+target-only while they measure faster than drafted ones (both off with `adaptive: false`: every round verifies
+whole trees).
 
 Invariants (tests/runtime): every submitted request ends exactly once (its tokens, then a finish reason or an
 error); ending one request (abort, stop string, client gone, timeout, its own failure) never fails another;
@@ -74,6 +77,12 @@ class SchedulerConfig(StrictModel):
         "catch-up call, which sends whole histories, has worker_timeout_s",
     )
     max_prefill_attempts: int = Field(2, ge=1, description="prefills a request may lose to worker failures")
+    chain_drafts: bool = Field(
+        True,
+        description="with one micro-batch, send the next round's draft call with each verify call, fed the verified "
+        "states as the target returns them (no scheduler hop between the calls; its nodes are capped as if every "
+        "verified node were accepted, and a request admitted meanwhile is drafted a round later); False: after it",
+    )
     stream_states: bool = Field(
         False,
         description="target-only rounds still send the drafter their states (one call in flight per micro-batch, "
@@ -122,6 +131,19 @@ class Sync(enum.Enum):
 
 
 @dataclass
+class Ahead:
+    """A draft call sent with a verify call and fed its states (`chain_drafts`), for the group's next round."""
+
+    requests: list[Request]  # the requests it drafts (as they were when it was sent)
+    verified: asyncio.Future  # the clock when the verify call answered (the draft call's own time starts then)
+    task: asyncio.Task  # -> (DraftOutput, trees ref, began, done)
+
+    @property
+    def ids(self) -> set[str]:
+        return {r.id for r in self.requests}
+
+
+@dataclass
 class _Group:
     """One micro-batch and its drafting state."""
 
@@ -131,6 +153,7 @@ class _Group:
     modes: ModeChooser = field(default_factory=ModeChooser)
     drafter_current: bool = False  # it has every round's states (drafted or streamed): a next draft is no catch-up
     streaming: asyncio.Task | None = None  # target-only rounds' states on their way to the drafter (stream_states)
+    ahead: Ahead | None = None  # the next round's draft call, chained to the last verify call (chain_drafts)
 
     def to(self, sync: Sync) -> None:
         """The one place the sync state changes. Every change empties the backlog: after a draft call it was
@@ -346,6 +369,11 @@ class SpecScheduler:
                 if not want:
                     want, why = True, "measuring"
         catch_up = False
+        ahead = group.ahead
+        if ahead is not None and not (
+            want and self.draft_alive and draftable and group.sync is Sync.IN_SYNC and ahead.ids & group.requests.keys()
+        ):  # not drafting this round, or for none of its requests now: the drafter still takes its states
+            self._ahead_as_stream(g)
         if self.draft_alive and draftable and want:
             if group.streaming is not None:  # the drafter first takes what was streamed (or its failure is known)
                 await asyncio.wait([group.streaming])
@@ -364,18 +392,28 @@ class SpecScheduler:
         have = [rid for rid in ids if rid in sketches]
         if have:
             overhead = 0.0 if len(self.groups) > 1 else self._draft_ema  # pipelined: drafting is hidden
-            chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead, whole=measuring)
+            caps = [self._node_cap(group.requests[rid]) for rid in have]
+            chosen, predicted = self.policy.allocate([sketches[rid] for rid in have], overhead, measuring, caps)
             keep.update(zip(have, chosen, strict=True))
         began = self.clock()
         self.meter.transfer("draft_to_target", drafted.trees_bytes if drafted is not None else 0)
+        verify = self.target.submit("verify", keep, drafted.trees if drafted else None, returns=2)
+        if drafted is not None:
+            self._chain(g, verify)
         try:
-            out, pairs = await self.target.call("verify", keep, drafted.trees if drafted else None, returns=2)
+            out = await verify.result()
         except (WorkerLost, WorkerFailed) as err:
+            if group.ahead is not None:  # its requests end here: nothing of it is the drafter's fault
+                group.ahead.task.cancel()
+                group.ahead = None
             await self._target_failed([group.requests[rid] for rid in ids if rid in group.requests], err)
             return
         latency = self.clock() - began
         self._span("verify", "target", g, out.started, out.compute_s, len(ids), out.verified_tokens)
-        self._stash(group, pairs)
+        if group.ahead is not None:
+            group.ahead.verified.set_result(self.clock())
+        else:
+            self._stash(group, verify.refs[0])
         accepted = sum(u.accepted for u in out.updates)
         self.policy.observe(len(ids), out.verified_tokens, out.compute_s, predicted, accepted)
         with_draft = drafted is not None
@@ -393,6 +431,9 @@ class SpecScheduler:
         """Draft trees for the group, or None when the draft worker is gone or failed (the round goes
         target-only: drafts are an optimisation, never needed for a correct answer)."""
         group = self.groups[g]
+        if group.ahead is not None:  # sent with the last verify call
+            ahead, group.ahead = group.ahead, None
+            return await self._drafted(g, ahead.requests, ahead.task, took_backlog=False)
         sync, pairs = group.sync, group.backlog
         if sync is not Sync.IN_SYNC:
             rs = [r for r in group.requests.values() if r.draftable]
@@ -406,29 +447,83 @@ class SpecScheduler:
         rs = [r for r in group.requests.values() if r.draftable]  # after the await: without those that ended
         reset = [r.id for r in rs] if sync is Sync.RESET else []
         requests = [(r.id, r.params, self._node_cap(r)) for r in rs]
-        began = self.clock()
         # a catch-up carries whole histories (long on a CPU): it gets the target's bound, not the drafter's
         timeout = None if sync is Sync.IN_SYNC else self.cfg.worker_timeout_s
+        call = self.draft.submit("propose", requests, reset, *pairs, returns=2)
+        began = self.clock()
+        return await self._drafted(g, rs, self._draft_answer(call, began, timeout), took_backlog=True)
+
+    async def _draft_answer(self, call, began, timeout_s: float | None = None) -> tuple:
+        """(DraftOutput, trees ref, began, answered): a draft call's answer, with the clock when its time began
+        (sent; a chained call: when its verify call answered, `began` a future of that) and when it came."""
+        if isinstance(began, asyncio.Future):
+            began = await began
+        out = await call.result(timeout_s)
+        return out, call.refs[0], began, self.clock()
+
+    async def _drafted(self, g: int, rs: list[Request], answer, took_backlog: bool, used: bool = True):
+        """A draft call's answer taken in: the drafter's state of the group (what it holds; a failed call: it
+        starts over), the metrics, and the trees (`used`: this round verifies them; else the call only carried
+        states). took_backlog: the call was sent the group's whole backlog, so the group is in sync after it."""
+        group = self.groups[g]
+        waiting = self.clock()
         try:
-            out, trees_ref = await self.draft.call("propose", requests, reset, *pairs, returns=2, timeout_s=timeout)
+            out, trees_ref, began, answered = await answer
         except WorkerLost as err:
             self._draft_lost(str(err))
             return None
         except WorkerFailed as err:  # the drafter raised: this round target-only, its state of them starts over
-            log.error("draft round failed, running it target-only: %s", err)
+            log.error("draft call failed (its round goes target-only; the next sends whole histories): %s", err)
             self.meter.draft_error()
             self.draft.cast("release", [r.id for r in rs])
             group.to(Sync.RESET)
             return None
-        latency = self.clock() - began
-        group.to(Sync.IN_SYNC)
+        if took_backlog:
+            group.to(Sync.IN_SYNC)
         self._took(out)
-        self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
-        self.meter.draft_call(latency, out.compute_s)
         self.meter.transfer("target_to_draft", out.pairs_bytes)
+        if not used:
+            self._span("stream", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
+            return None
+        waited = self.clock() - waiting  # what the round waited for it: drafting's cost to the round
+        self._draft_ema = 0.8 * self._draft_ema + 0.2 * waited if self._draft_ema else waited
+        self.meter.draft_call(answered - began, out.compute_s, waited)
         self._span("draft", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
         sketches = {rid: (s.parents, s.scores) for rid, s in out.sketches.items()}
         return Drafted(sketches, trees_ref, out.trees_bytes)
+
+    def _chain(self, g: int, verify) -> None:
+        """Send the next round's draft call now, fed this verify call's states (`chain_drafts`): with one
+        micro-batch, the group in sync, and the verify call not failed already. Its requests are the group's
+        draftable ones (the backlog, new requests' prefill states, goes with it)."""
+        group = self.groups[g]
+        chain = self.cfg.chain_drafts and len(self.groups) == 1 and self.draft_alive and group.sync is Sync.IN_SYNC
+        rs = [r for r in group.requests.values() if r.draftable]
+        if not (chain and rs and verify.refs is not None):
+            return
+        requests = [(r.id, r.params, self._node_cap(r)) for r in rs]
+        pairs = [*group.backlog, verify.refs[0]]
+        group.to(Sync.IN_SYNC)  # the backlog goes with it
+        call = self.draft.submit("propose", requests, [], *pairs, returns=2)
+        verified = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._draft_answer(call, verified))
+        self._helpers.add(task)
+        task.add_done_callback(self._helpers.discard)
+        group.ahead = Ahead(rs, verified, task)
+
+    def _ahead_as_stream(self, g: int) -> None:
+        """The round does not draft from the chained call (target-only, or none of its requests is left): the
+        drafter took its states all the same, so it is awaited in the background as a stream of states; dropped
+        when the draft worker is lost (its state of the group starts over)."""
+        group = self.groups[g]
+        ahead, group.ahead = group.ahead, None
+        if not self.draft_alive:
+            ahead.task.cancel()
+            return
+        task = asyncio.create_task(self._drafted(g, ahead.requests, ahead.task, took_backlog=False, used=False))
+        group.streaming = task
+        self._helpers.add(task)
+        task.add_done_callback(self._helpers.discard)
 
     def _took(self, out) -> None:
         """What a propose call's answer says of the draft worker (a draft call's or a stream's)."""
@@ -469,23 +564,12 @@ class SpecScheduler:
             return
         rs = [r for r in group.requests.values() if r.draftable]  # now: a request that ended is not sent again
         requests = [(r.id, r.params, 0) for r in rs]  # no nodes: the drafter commits the states, drafts nothing
-        try:
-            out, _ = await self.draft.call("propose", requests, [], *pairs, returns=2)
-        except WorkerLost as err:
-            self._draft_lost(str(err))
-            return
-        except Exception as err:  # noqa: BLE001 (the drafter raised, or a bug here: its state of them is unknown)
-            log.error("streaming states to the drafter failed, its next draft sends whole histories: %s", err)
-            self.meter.draft_error()
-            self.draft.cast("release", [r.id for r in rs])
-            group.to(Sync.RESET)
-            return
-        self._took(out)
-        self.meter.transfer("target_to_draft", out.pairs_bytes)
-        self._span("stream", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
+        call = self.draft.submit("propose", requests, [], *pairs, returns=2)
+        await self._drafted(g, rs, self._draft_answer(call, self.clock()), took_backlog=False, used=False)
 
     def _node_cap(self, r: Request) -> int:
-        """Never draft past max_tokens: a round emits at most (nodes on the path) + 1 tokens."""
+        """Never draft or verify past max_tokens: a round emits at most (nodes on the path) + 1 tokens. (A chained
+        draft call is capped before its verify call's tokens count: the round that verifies it caps again.)"""
         return max(0, min(self.policy.max_nodes_per_request, r.params.max_tokens - r.emitted - 1))
 
     def _stash(self, group: _Group, pairs) -> None:

@@ -63,7 +63,8 @@ def fit_costs(levels: dict[tuple[str, int], dict], depth: int, topk: int, aux_by
             calls += t.get(f"{side}_calls", 0)
             overhead += t.get(f"{side}_call_s", 0.0) - t.get(f"{side}_compute_s", 0.0)
         prefills = [s["dur"] for s in level["spans"] if s["name"] == "prefill"]
-        calls_s = sum(t.get(f"{side}_call_s", 0.0) for side in ("verify", "draft")) + sum(prefills)
+        waited = t.get("draft_waited_s", t.get("draft_call_s", 0.0))  # chained draft calls overlap the rest
+        calls_s = t.get("verify_call_s", 0.0) + waited + sum(prefills)
         rest.append((level["measured"]["wall_s"] - calls_s, t["rounds"], len(prefills)))  # one user: the server's
     return CostModel(
         target=fit_step_cost(verify),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orchestrator.runtime.clients import WorkerFailed
+from orchestrator.runtime.clients import Client, WorkerFailed
 from orchestrator.runtime.messages import DraftOutput, NewSequence, RoundOutput, SeqUpdate, TreeSketch
 from orchestrator.sim.costs import AcceptanceProfile, CostModel
 from orchestrator.sim.virtual import VirtualClock
@@ -107,19 +107,46 @@ class Device:
     busy_s: float = 0.0
 
 
-class SimWorker:
-    """The `runtime.clients` interface (`call`, `cast`) over a simulated worker."""
+class SimRef:
+    """A later result of a simulated call in flight, to hand to another worker's call (as a Ray ref): that call
+    starts once the result exists (a chained draft call)."""
+
+    def __init__(self, task: asyncio.Task, index: int) -> None:
+        self.task, self.index = task, index
+
+    async def get(self):
+        return (await self.task)[self.index]
+
+
+class SimCall:
+    """A simulated call in flight (it started when submitted): `refs`, its later results."""
+
+    def __init__(self, task: asyncio.Task, returns: int) -> None:
+        self.task, self.returns = task, returns
+        self.refs = tuple(SimRef(task, i) for i in range(1, returns))
+
+    async def result(self, timeout_s: float | None = None):
+        out = await self.task
+        return out[0] if self.returns > 1 else out
+
+
+class SimWorker(Client):
+    """The `runtime.clients` interface (`submit`, `cast`) over a simulated worker."""
 
     def __init__(self, clock: VirtualClock, costs: CostModel, device: Device) -> None:
         self.clock, self.costs, self.device = clock, costs, device
         self.calls = 0
 
-    async def call(self, method: str, *args, returns: int = 1, timeout_s: float | None = None):
+    def submit(self, method: str, *args, returns: int = 1) -> SimCall:
         self.calls += 1
+        return SimCall(asyncio.ensure_future(self._run(method, args)), returns)
+
+    async def _run(self, method: str, args: tuple):
         try:
             work = getattr(self, method)
         except AttributeError as err:
             raise WorkerFailed(f"{method}: no such call") from err
+        args = tuple([await a.get() if isinstance(a, SimRef) else a for a in args])
         return await work(*args)
 
     def cast(self, method: str, *args) -> None:

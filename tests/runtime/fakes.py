@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from orchestrator.models.kv_cache import KVCache
-from orchestrator.runtime.clients import WorkerFailed, WorkerLost
+from orchestrator.runtime.clients import Client, Done, WorkerFailed, WorkerLost
 from orchestrator.spec.sampling import SamplingParams
 from orchestrator.spec.tree import DraftTree
 from orchestrator.spec.verify import probabilities, seeded_choice
@@ -139,7 +139,7 @@ class TableProposer:
         return DraftTree(as_long(tokens), as_long(parents), {}, torch.tensor(scores))
 
 
-class FaultyWorker:
+class FaultyWorker(Client):
     """A worker in this process behind the scheduler's client interface, with faults on demand.
 
     plan(method) -> None or one of
@@ -147,8 +147,8 @@ class FaultyWorker:
       "restart": the worker restarted silently before this call (fresh state; the call succeeds)
       "raise":   the call fails without running (WorkerFailed)
       "late":    the call runs but its answer never arrives (WorkerLost, as a timeout)
-    Each call suspends before its answer arrives (as a Ray call does), with `rng` a random number of times
-    (other tasks run meanwhile).
+    Each call runs when it is submitted and suspends before its answer arrives (as a Ray call does), with `rng` a
+    random number of times (other tasks run meanwhile).
     """
 
     def __init__(self, make: Callable[[], object], plan=None, rng: random.Random | None = None, tick=None):
@@ -157,36 +157,59 @@ class FaultyWorker:
         self.calls: dict[str, int] = {}
         self.timeouts: list[tuple[str, float | None]] = []  # (method, the bound the caller gave the call)
 
-    async def call(self, method: str, *args, returns: int = 1, timeout_s: float | None = None):
+    def submit(self, method: str, *args, returns: int = 1) -> FaultyCall:
         """Runs at once, in submission order (as an actor runs the calls of one caller: a release sent after
-        this call runs after it), then suspends until the answer "arrives"."""
+        this call runs after it); its answer "arrives" when awaited, after suspending."""
         self.calls[method] = self.calls.get(method, 0) + 1
-        self.timeouts.append((method, timeout_s))
         if self.tick is not None:
             self.tick()
         fault = self.plan(method)
         if fault in ("die", "restart"):
             self.worker = self.make()
-        error: Exception | None = None
+        lost = [a for a in args if isinstance(a, Lost)]
         if fault == "die":
-            error = WorkerLost(f"{method}: the worker died")
+            done = Lost.failed(WorkerLost(f"{method}: the worker died"), returns)
         elif fault == "raise":
-            error = WorkerFailed(f"{method}: injected failure")
+            done = Lost.failed(WorkerFailed(f"{method}: injected failure"), returns)
+        elif lost:  # (Ray: "could not be computed", a task error)
+            done = Lost.failed(WorkerFailed(f"{method}: an argument could not be computed ({lost[0].error})"), returns)
         else:
-            try:
-                out = getattr(self.worker, method)(*args)
-            except Exception as err:  # noqa: BLE001 (reported as the client would)
-                error = WorkerFailed(f"{method}: {type(err).__name__}: {err}")
-            if fault == "late":
-                error = WorkerLost(f"{method}: no answer in time")
-        for _ in range(1 + (self.rng.randrange(3) if self.rng else 0)):  # a remote call always suspends
-            await asyncio.sleep(0)
-        if error is not None:
-            raise error
-        return out
+            done = Done.run(getattr(self.worker, method), method, args, returns)
+            if fault == "late" and done.error is None:
+                done.error = WorkerLost(f"{method}: no answer in time")
+        return FaultyCall(self, method, done)
 
     def cast(self, method: str, *args) -> None:
         getattr(self.worker, method)(*args)
+
+
+class Lost:
+    """A later result of a call that failed, as a Ray ref to it is: handed to another call (a chained draft call),
+    it fails that call without running it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    @classmethod
+    def failed(cls, error: Exception, returns: int) -> Done:
+        return Done(refs=tuple(cls(error) for _ in range(returns - 1)), error=error)
+
+
+class FaultyCall:
+    """A `FaultyWorker` call in flight: its answer comes after a random number of suspensions."""
+
+    def __init__(self, worker: FaultyWorker, method: str, done: Done) -> None:
+        self.worker, self.method, self.done = worker, method, done
+
+    @property
+    def refs(self):
+        return self.done.refs
+
+    async def result(self, timeout_s: float | None = None):
+        self.worker.timeouts.append((self.method, timeout_s))
+        for _ in range(1 + (self.worker.rng.randrange(3) if self.worker.rng else 0)):  # a remote call suspends
+            await asyncio.sleep(0)
+        return await self.done.result()
 
 
 class FakeClock:

@@ -40,6 +40,7 @@ def build(
     width: int = 2,
     tap=None,
     stream_states: bool = False,
+    chain_drafts: bool = True,
 ) -> Harness:
     clock = FakeClock()
 
@@ -63,6 +64,7 @@ def build(
         adaptive=adaptive,
         request_timeout_s=request_timeout_s,
         stream_states=stream_states,
+        chain_drafts=chain_drafts,
     )
     scheduler = SpecScheduler(target, draft, cfg, max_nodes, clock=clock, watchdog_s=None, poll_s=0)
     return Harness(scheduler, target, draft, clock)

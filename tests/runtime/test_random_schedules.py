@@ -1,5 +1,6 @@
 """Randomized schedules against the fake workers: 500 seeded runs, each a random mix of batch sizes, one or
-two micro-batches, fixed or adaptive budgets, speculation on or off, a drafter with a short context, clients
+two micro-batches, fixed or adaptive budgets, speculation on or off, draft calls chained to verify calls or
+not, a drafter with a short context, clients
 that submit at random moments and read, abort, disconnect, stop on a string or outlive their deadline,
 requests that fail in the worker (NaN distribution, prompt past the context), and worker faults at random
 call sites (death, silent restart, a raising call, a call whose answer never comes), and a rollout's measurement
@@ -99,6 +100,7 @@ def run_schedule(seed: int) -> dict:
         context=CONTEXT,
         draft_context=rng.choice([None, None, 20]),
         stream_states=rng.random() < 0.3,
+        chain_drafts=rng.random() < 0.7,
         request_timeout_s=timeout_s,
         tick_s=0.05,
         depth=rng.choice([1, 2, 4]),

@@ -135,9 +135,11 @@ SITES = [
 ]
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize(("worker", "method", "fault"), SITES, ids=["-".join(s) for s in SITES])
-def test_a_failing_worker_at_every_call_site(worker, method, fault):
-    """The fault hits the 2nd call of the method (history and ready run after a draft death, set up here).
+def test_a_failing_worker_at_every_call_site(worker, method, fault, micro_batches):
+    """The fault hits the 2nd call of the method (history and ready run after a draft death, set up here); with
+    one micro-batch, draft calls are chained to verify calls, so a verify fault also meets a draft call in flight.
     Draft faults cost no request anything; a target call that raises or never answers ends the requests of
     that call with 503 (a prefill is retried instead); a target that dies or restarts loses what it held
     (at most max_batch requests, 503). Everything that finishes is exact, and nothing leaks."""
@@ -159,7 +161,7 @@ def test_a_failing_worker_at_every_call_site(worker, method, fault):
         return plan
 
     target_plan, draft_plan = planner("target"), planner("draft")
-    h = build(max_batch=4, micro_batches=2, target_plan=target_plan, draft_plan=draft_plan)
+    h = build(max_batch=4, micro_batches=micro_batches, target_plan=target_plan, draft_plan=draft_plan)
     prompts = _prompts(12)
     rs = run(h, lambda h: _all(h, prompts))
     failed = 0
@@ -496,3 +498,108 @@ def test_streamed_states_spare_the_catch_up_when_drafting_resumes(stream):
         assert t["catch_ups"] <= 3 and t["draft_errors"] == 2
     else:
         assert t["catch_ups"] == drafted
+
+
+def _logged(h, log: list, requests: dict) -> None:
+    """Log each call to either worker when it is sent: (worker, method, its args, its call, tokens delivered to
+    each request so far)."""
+    for name, worker in (("target", h.target), ("draft", h.draft)):
+
+        def submit(method, *args, returns=1, _name=name, _submit=worker.submit):
+            c = _submit(method, *args, returns=returns)
+            log.append((_name, method, args, c, {rid: r.emitted for rid, r in requests.items()}))
+            return c
+
+        worker.submit = submit
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_each_verify_call_carries_the_next_draft_call(chain):
+    """`chain_drafts` (one micro-batch): the next round's draft call is sent with each verify call, before the
+    scheduler has delivered that call's tokens, fed the verify call's own states (its ref, not a copy), so the
+    drafter drafts while the scheduler delivers. Off, it is sent after. A request admitted while a chained call
+    is out is drafted for from its whole history (its prefill's states go with the next one). Output exact
+    either way, nothing left."""
+    h = build(max_batch=2, micro_batches=1, chain_drafts=chain)
+    log, requests = [], {}
+    _logged(h, log, requests)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 1, 2]]
+
+    async def body(h):
+        first = h.scheduler.submit(prompts[0], params)
+        requests[first.id] = first
+        reading = asyncio.ensure_future(read(h, first))
+        while first.emitted < 6:
+            await asyncio.sleep(0)
+        second = h.scheduler.submit(prompts[1], params)
+        requests[second.id] = second
+        await asyncio.gather(reading, read(h, second))
+        return [first, second]
+
+    rs = run(h, body)
+    for r, p in zip(rs, prompts, strict=True):
+        assert tokens_of(h.seen[r.id]) == reference(p, params)
+        # the drafter holds its whole history but the last round's (a lost prefill: 8 pairs short, drafts rejected)
+        assert r.draft_pairs >= len(p) + r.emitted - 1 - h.scheduler.policy.max_nodes_per_request
+        assert r.acceptance.accepted > 0
+    assert_settled(h)
+    calls = [(w, m) for w, m, *_ in log if m in ("verify", "propose")]
+    rounds = calls.count(("target", "verify"))
+    assert rounds >= 10 and calls[:2] == [("draft", "propose"), ("target", "verify")]  # the first: after the prefill
+    # (verify, the next call) pairs: a draft call fed the verify call's states, sent before its tokens were delivered
+    pairs = [(log[i], log[i + 1]) for i in range(len(log) - 1) if log[i][:2] == ("target", "verify")]
+    fed = [(v, d) for v, d in pairs if d[:2] == ("draft", "propose") and d[2][-1] is v[3].refs[0]]
+    chained = [v for v, d in fed if d[4] == v[4]]
+    if chain:  # every verify call but the last (its round ends both requests) has its draft call at once
+        assert len(chained) >= rounds - 1
+    else:  # each draft call after the verify call's tokens were delivered
+        assert not chained and len(fed) >= rounds // 2
+
+
+@pytest.mark.parametrize("fault", ["die", "raise", "late"])
+def test_a_verify_call_that_fails_ends_its_requests_and_never_blames_the_chained_draft_call(fault):
+    """A verify call that fails ends its requests (503), whatever became of the draft call chained to it (with Ray
+    it fails too, its states never came): the drafter is neither counted failed nor taken out of service, and
+    later requests are drafted for and exact."""
+    verifies = itertools.count()
+    h = build(
+        max_batch=2, micro_batches=1, target_plan=lambda m: fault if m == "verify" and next(verifies) == 3 else None
+    )
+
+    async def body(h):
+        first = await _all(h, [[1, 2, 3]])
+        drafts = h.scheduler.meter.acceptance.drafts
+        later = await _all(h, _prompts(2))
+        return first + later, drafts
+
+    rs, drafts = run(h, body)
+    assert ended_once(rs[0], h.seen[rs[0].id]).status == 503
+    for r, p in zip(rs[1:], _prompts(2), strict=True):
+        assert tokens_of(h.seen[r.id]) == reference(p, GREEDY)
+    t = h.scheduler.meter.totals
+    assert t["draft_errors"] == 0 and t["draft_failures"] == 0 and h.scheduler.draft_alive
+    assert h.scheduler.meter.acceptance.drafts > drafts  # the later requests were drafted for
+    assert_settled(h)
+
+
+def test_a_target_only_round_after_a_chained_draft_call_still_gives_the_drafter_its_states():
+    """The mode chooser turns a round target-only after a draft call was chained to the last verify call: the
+    drafter took that call's states all the same (it is awaited as a stream), so drafting resumes without whole
+    histories (no `history` call, no reset), and the output is exact."""
+    h = build(max_batch=4, micro_batches=1, adaptive=True, context=200)
+    rounds = itertools.count()
+    h.scheduler.groups[0].modes.choose = lambda n: next(rounds) % 5 in (0, 1, 3)  # drafted, target-only, in turn
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5]]
+
+    async def body(h):
+        return await _all(h, prompts, params)
+
+    rs = run(h, body)
+    for r, p in zip(rs, prompts, strict=True):
+        assert tokens_of(h.seen[r.id]) == reference(p, params)
+    t = h.scheduler.meter.totals
+    assert t["drafted_best"] >= 8 and t["draft_errors"] == 0
+    assert "history" not in h.target.calls and h.scheduler.meter.acceptance.accepted > 0
+    assert_settled(h)
