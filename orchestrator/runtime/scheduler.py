@@ -494,7 +494,8 @@ class SpecScheduler:
         if not used:
             self._span("stream", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
             return None
-        latency, waited = answered - began, self.clock() - waiting  # its own time; what the round waited for it
+        latency = answered - began  # its own time, and what the round waited for of it:
+        waited = min(latency, self.clock() - waiting)
         self._draft_ema = 0.8 * self._draft_ema + 0.2 * latency if self._draft_ema else latency
         self.meter.draft_call(latency, out.compute_s, waited)
         self._span("draft", "draft", g, out.started, out.compute_s, len(rs), out.ingested)
