@@ -12,14 +12,15 @@ from __future__ import annotations
 LAYERS: list[tuple[str, str, list[str]]] = [
     (
         "foundation",
-        "errors, config loading, redaction, fingerprints, the bootstrap statistics every report uses, and the "
-        "console (what a person sees; each stage's log file takes the rest)",
+        "errors, config loading, redaction, fingerprints, files published whole, the bootstrap statistics every "
+        "report uses, and the console (what a person sees; each stage's log file takes the rest)",
         [
             "orchestrator.errors",
             "orchestrator.console",
             "orchestrator.config",
             "orchestrator.redaction",
             "orchestrator.fingerprint",
+            "orchestrator.files",
             "orchestrator.stats",
             "orchestrator.layout",
         ],

@@ -44,6 +44,7 @@ from pydantic import Field, model_validator
 from orchestrator import console
 from orchestrator.config import StrictModel, load_config
 from orchestrator.errors import AerieError
+from orchestrator.files import write_atomic
 from orchestrator.fingerprint import fingerprint
 from orchestrator.tracking.store import ModelUri
 
@@ -185,10 +186,7 @@ class State:
 
     def record(self, stage: str, **entry) -> None:
         self.stages[stage] = entry
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.stages, indent=2, default=str) + "\n")
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps(self.stages, indent=2, default=str) + "\n")
 
 
 class Pipeline:

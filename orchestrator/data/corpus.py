@@ -29,6 +29,7 @@ from pathlib import Path
 
 from orchestrator.data.conversations import Conversation
 from orchestrator.errors import AerieError
+from orchestrator.files import write_atomic
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -63,13 +64,8 @@ def save_chunk(path: Path, conversations: list[Conversation], provenance: dict) 
     path.parent.mkdir(parents=True, exist_ok=True)
     data = encode(conversations)
     provenance = {**provenance, "sha256": sha256_bytes(data), "bytes": len(data), "counts": counts(conversations)}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-    prov = provenance_path(path)
-    tmp = prov.with_name(prov.name + ".tmp")
-    tmp.write_text(json.dumps(provenance, indent=2) + "\n")
-    tmp.replace(prov)
+    write_atomic(path, data)
+    write_atomic(provenance_path(path), json.dumps(provenance, indent=2) + "\n")
 
 
 def load_chunk(path: Path) -> tuple[list[Conversation], dict] | None:
@@ -197,9 +193,7 @@ def write_manifest(folder: Path, made: dict) -> dict:
         for key in keys:
             totals[key] = round(totals.get(key, 0) + (c.get(key) or 0), 1)
     manifest = {"format": "aerie-corpus/1", **made, "totals": totals, "chunks": chunks}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(folder / MANIFEST)
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

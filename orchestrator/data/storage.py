@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from orchestrator.errors import AerieError
+from orchestrator.files import write_atomic
 from orchestrator.redaction import redact_text
 
 
@@ -67,12 +66,7 @@ class LocalStorage:
         return safe_path(self.root, name).read_bytes()
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        target = safe_path(self.root, name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
+        write_atomic(safe_path(self.root, name), data)
 
     def uri(self, name: str = "") -> str:
         return str(self.root / name)

@@ -15,14 +15,13 @@ against the config and names the first that disagrees; weights are read with saf
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from orchestrator.errors import CheckpointError
+from orchestrator.files import publish_dir
 from orchestrator.models.device import resolve_device, resolve_dtype
 from orchestrator.models.drafter import Drafter, DrafterConfig
 from orchestrator.models.layers import DecoderConfig, fuse_layer_weights, pack_linears_for_cpu, split_layer_weights
@@ -177,25 +176,13 @@ def drafter_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
 
 def save_drafter(drafter: Drafter, out_dir: str | Path, extra_config: dict | None = None) -> Path:
     """Write config.json + model.safetensors atomically (a complete checkpoint or none)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     config = drafter_hf_config(drafter.config, drafter.dtype) | (extra_config or {})
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    save_file(drafter_tensors(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    # mkdtemp's 0700 and safetensors' 0600 would keep a server running as another user from the drafter
-    tmp.chmod(0o755)
-    (tmp / "model.safetensors").chmod(0o644)
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
-    else:
-        os.replace(tmp, out_dir)
-    return out_dir
+
+    def build(tmp: Path) -> None:
+        save_file(drafter_tensors(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return publish_dir(out_dir, build)
 
 
 def _expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:

@@ -12,13 +12,11 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import AerieError
+from orchestrator.files import publish_dir
 
 log = logging.getLogger(__name__)
 MARKER = "aerie_prepared.json"
@@ -80,21 +78,14 @@ def prepare_model(name: str, out_dir: str | Path) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MARKER).exists():
         raise AerieError(f"{out_dir} exists and is not a prepared model: choose another --out or remove it")
     source = packaged_file(PACKAGED_MODELS[name])
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         _convert_gguf(source, tmp)
         files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
         record = {"name": name, "source": source.name, "source_sha256": _sha256(source), "files": files}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out_dir
+
+    return publish_dir(out_dir, build)
 
 
 def resolve_model(spec: str | Path, models_dir: str | Path = "models") -> Path:

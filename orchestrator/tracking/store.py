@@ -12,7 +12,7 @@ place, so replicas on one node share it and never delete what another is reading
 
     runs/drafter-cache/models/<registry>/<NAME>/<VERSION>/config.json   (an alias resolved to its version)
     runs/drafter-cache/s3/<bucket_prefix>-<listing digest>/config.json  (keys, ETags and sizes)
-    runs/drafter-cache/models/<registry>/<NAME>/.tmp-XXXX/               (a download in progress)
+    runs/drafter-cache/models/<registry>/<NAME>/.<VERSION>.new-XXXX/     (a download in progress)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from orchestrator.console import say
 from orchestrator.errors import AerieError
+from orchestrator.files import publish_dir
 from orchestrator.redaction import redact_text
 
 DEFAULT_STORE = "runs/mlflow.db"
@@ -264,18 +264,14 @@ def _cached(source: str, dest: Path, download: Callable[[Path], Path]) -> Path:
         return dest
     if dest.exists():
         raise AerieError(f"{dest} exists but holds no config.json (not a cached drafter): remove it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
-    try:
+
+    def build(tmp: Path) -> Path:
         got = download(tmp)
         if not (got / "config.json").is_file():
             raise AerieError(f"drafter {redact_text(source)} holds no config.json")
-        try:
-            os.rename(got, dest)
-        except OSError:
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        return got
+
+    publish_dir(dest, build, replace=False)
+    if not (dest / "config.json").is_file():  # what another process put there meanwhile
+        raise AerieError(f"{dest} exists but holds no config.json (not a cached drafter): remove it")
     return dest

@@ -26,6 +26,7 @@ from orchestrator.cluster import init_ray
 from orchestrator.data.collect import planned_collection, start_capture_workers
 from orchestrator.data.storage import open_storage, upload_dir
 from orchestrator.errors import AerieError
+from orchestrator.files import publish_dir
 from orchestrator.models.checkpoint import ARCHITECTURE, load_drafter
 from orchestrator.models.drafter import DrafterConfig
 from orchestrator.models.prepare import resolve_model
@@ -329,10 +330,7 @@ def _rank_of(path: Path) -> int:
 
 def export_drafter(drafter_dir: Path, output: str) -> str:
     """Copy the drafter to `output` (s3:// or local); returns where it went. Locally it is copied beside `output`
-    and swapped in, so a failure at any point leaves the previous export whole:
-
-        out/ (previous)   .out.new-X/ (copy)   ->   .out.old-Y/ (previous)   out/ (new)   ->   out/ (new)
-
+    and swapped in (`orchestrator.files.publish_dir`), so a failure at any point leaves the previous export whole.
     An existing `output` that is neither empty nor a drafter export (a drafter config.json) is refused."""
     if output.startswith("s3://"):
         return upload_dir(drafter_dir, output)
@@ -342,26 +340,7 @@ def export_drafter(drafter_dir: Path, output: str) -> str:
             f"output {out} exists and is not an exported drafter (no drafter config.json): "
             "choose a new or empty directory"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    new = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
-    old = None
-    try:
-        shutil.copytree(drafter_dir, new, dirs_exist_ok=True)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old)  # onto the empty placeholder
-        try:
-            os.rename(new, out)
-        except OSError:
-            if old is not None:
-                os.rename(old, out)  # the previous export back in place
-                old = None
-            raise
-    finally:
-        if new.exists():
-            shutil.rmtree(new)
-        if old is not None and out.exists():  # kept if it could not be put back
-            shutil.rmtree(old)
+    publish_dir(out, lambda tmp: shutil.copytree(drafter_dir, tmp, dirs_exist_ok=True))
     return str(out.resolve())
 
 

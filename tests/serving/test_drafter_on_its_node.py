@@ -106,7 +106,7 @@ def test_a_drafter_the_worker_cannot_load_is_one_line_at_ready(fault, s3, tiny_d
     assert expected in message, message
     with pytest.raises(AerieError, match="has no proposer"):
         worker.propose([("r", GREEDY, 2)])
-    assert list((tmp_path / "cache").rglob(".tmp-*")) == [], "no half-written download left"
+    assert list((tmp_path / "cache").rglob(".*")) == [], "no half-written download left"
 
 
 @pytest.mark.ray

@@ -37,7 +37,7 @@ def _identity(path: Path) -> tuple[int, int]:
 
 
 def _leftovers(cache: Path) -> list[Path]:
-    return list(cache.rglob(".tmp-*"))
+    return list(cache.rglob(".*"))  # orchestrator.files builds beside the destination under a dot name
 
 
 def _upload(client, prefix: str, weights: bytes) -> None:
