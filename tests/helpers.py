@@ -261,13 +261,10 @@ def tiny_training(root: Path, smollm2_dir: Path) -> Path:
 
 
 def committed_checkpoint(storage: Path) -> bool:
-    """Ray Train has recorded a checkpoint (its manager's snapshot names one): a rerun resumes from it. A
-    `checkpoint_*` directory alone is not enough: killed before the snapshot is written, the rerun starts over."""
-    for snapshot in storage.glob("*/checkpoint_manager_snapshot.json"):
-        with contextlib.suppress(json.JSONDecodeError, OSError):
-            if json.loads(snapshot.read_text()).get("latest_checkpoint_result"):
-                return True
-    return False
+    """Ray Train has recorded a checkpoint of a run under `storage`: a rerun resumes from it."""
+    from orchestrator.train.run import ray_train_checkpointed
+
+    return storage.is_dir() and any(ray_train_checkpointed(str(storage), None, p.name) for p in storage.iterdir())
 
 
 def wait_for(cond, timeout_s: float, what: str, period_s: float = 0.5):

@@ -52,17 +52,26 @@ def client(uri: str | None = None):
     return MlflowClient(tracking_uri=tracking_uri(uri))
 
 
-def resume_or_start_run(mlflow_client, experiment: str, name: str, tag: str = TRAIN_NAME_TAG) -> tuple[str, bool]:
-    """The unfinished run tagged `tag` = `name` (a training's or a pipeline's: a rerun resumes it), else a new
-    run: (run_id, resumed)."""
+def resume_or_start_run(
+    mlflow_client, experiment: str, name: str, tag: str = TRAIN_NAME_TAG, resume: bool = True
+) -> tuple[str, bool]:
+    """The unfinished run tagged `tag` = `name` (a training's or a pipeline's, running or failed: a rerun resumes
+    it; never a finished or a killed one), else a new run: (run_id, resumed).
+
+    resume: False where the work starts over (a training with no checkpoint to go on from): an unfinished run of
+    that name is ended as KILLED and a new one started, so that a run's params and metric history are those of
+    one piece of work (a restart that reused it mixed two loss curves under the first one's learning rate)."""
     exp = mlflow_client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else mlflow_client.create_experiment(experiment)
     runs = mlflow_client.search_runs(
-        [exp_id], filter_string=f"tags.`{tag}` = '{name}' and attributes.status != 'FINISHED'"
+        [exp_id],
+        filter_string=f"tags.`{tag}` = '{name}' and attributes.status != 'FINISHED' and attributes.status != 'KILLED'",
     )
-    if runs:
+    if runs and resume:
         mlflow_client.update_run(runs[0].info.run_id, status="RUNNING")
         return runs[0].info.run_id, True
+    for stale in runs:
+        mlflow_client.set_terminated(stale.info.run_id, status="KILLED")
     run = mlflow_client.create_run(exp_id, run_name=name, tags={tag: name})
     return run.info.run_id, False
 

@@ -92,6 +92,22 @@ def _storage_path(location: str):
     return location[len("s3://") :], fs
 
 
+def ray_train_checkpointed(storage_path: str, filesystem, name: str) -> bool:
+    """Whether Ray Train resumes the run `name` from a checkpoint: its checkpoint manager's snapshot names one (a
+    `checkpoint_*` folder alone is not enough: killed before the snapshot was written, a rerun starts over)."""
+    path = f"{storage_path}/{name}/checkpoint_manager_snapshot.json"
+    try:
+        if filesystem is None:
+            text = Path(path).read_text()
+        else:
+            with filesystem.open_input_stream(path) as f:
+                text = f.read().decode()
+        snapshot = json.loads(text)
+        return isinstance(snapshot, dict) and bool(snapshot.get("latest_checkpoint_result"))
+    except (OSError, ValueError):  # absent, unreadable or half-written: nothing to resume
+        return False
+
+
 def plan_online(cfg: TrainConfig, model_dir: Path) -> dict:
     """`data: online`: the collection's plan (conversations rendered and cut into shards, nothing captured), its
     manifest and that manifest's sha256 (the data's identity in MLflow)."""
@@ -211,7 +227,9 @@ def run_training(cfg: TrainConfig) -> dict:
     log.info("draft vocabulary: %d tokens cover %.1f%% of loss-masked training tokens", vocab.numel(), 100 * cover)
 
     mlflow = client(uri)
-    run_id, resumed = resume_or_start_run(mlflow, cfg.mlflow.experiment, cfg.name)
+    storage_path, filesystem = _storage_path(cfg.checkpoint.storage_path)
+    checkpointed = ray_train_checkpointed(storage_path, filesystem, cfg.name)
+    run_id, resumed = resume_or_start_run(mlflow, cfg.mlflow.experiment, cfg.name, resume=checkpointed)
     if not resumed:
         params = redact(cfg.model_dump(mode="json"))
         params.update({"variant": config.variant, "data.manifest_sha256": manifest_sha, "draft_vocab.coverage": cover})
@@ -229,7 +247,6 @@ def run_training(cfg: TrainConfig) -> dict:
         online["workers"] = start_capture_workers(
             online.pop("collect"), model_dir, aux, online.pop("num_capture_workers"), write=False
         )
-    storage_path, filesystem = _storage_path(cfg.checkpoint.storage_path)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
