@@ -61,7 +61,6 @@ def encode(conversations: list[Conversation]) -> bytes:
 
 def save_chunk(path: Path, conversations: list[Conversation], provenance: dict) -> None:
     """Write a chunk and its provenance (with the chunk's sha256), each atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = encode(conversations)
     provenance = {**provenance, "sha256": sha256_bytes(data), "bytes": len(data), "counts": counts(conversations)}
     write_atomic(path, data)

@@ -269,10 +269,6 @@ def _cached(source: str, dest: Path, download: Callable[[Path], Path]) -> Path:
     """`dest` when it holds a drafter; else `download(tmp)` into a fresh directory beside `dest` (it returns the
     drafter directory: `tmp` or one inside it), renamed to `dest`. When another process renamed first, its copy
     is kept and ours discarded; nothing but our own temporary directory is ever deleted."""
-    if (dest / "config.json").is_file():
-        return dest
-    if dest.exists():
-        raise AerieError(f"{dest} exists but holds no config.json (not a cached drafter): remove it")
 
     def build(tmp: Path) -> Path:
         got = download(tmp)
@@ -280,7 +276,8 @@ def _cached(source: str, dest: Path, download: Callable[[Path], Path]) -> Path:
             raise AerieError(f"drafter {redact_text(source)} holds no config.json")
         return got
 
-    publish_dir(dest, build, replace=False)
-    if not (dest / "config.json").is_file():  # what another process put there meanwhile
+    if not dest.exists():
+        publish_dir(dest, build, replace=False)
+    if not (dest / "config.json").is_file():  # there before, or put there meanwhile by another process
         raise AerieError(f"{dest} exists but holds no config.json (not a cached drafter): remove it")
     return dest

@@ -197,3 +197,16 @@ def test_a_pinned_s3_drafter_in_the_node_cache_needs_no_s3(s3, tmp_path, monkeyp
 
     monkeypatch.setattr(storage.S3Storage, "__init__", unreachable)
     assert ref.fetch(tmp_path / "cache") == first and (first / "model.safetensors").read_bytes() == b"p"
+
+
+def test_a_cache_folder_that_holds_no_drafter_is_refused_untouched(tmp_path):
+    from orchestrator.tracking.store import _cached
+
+    dest = tmp_path / "cache" / "v1"
+    dest.mkdir(parents=True)
+    (dest / "notes.txt").write_text("keep me")
+    downloads = []
+    with pytest.raises(AerieError, match="exists but holds no config.json"):
+        _cached("s3://b/d", dest, lambda tmp: downloads.append(tmp) or tmp)
+    assert downloads == [], "nothing downloaded for a folder it will not use"
+    assert _files(dest) == {"notes.txt": b"keep me"} and _leftovers(tmp_path / "cache") == []
