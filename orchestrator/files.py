@@ -18,15 +18,16 @@ from pathlib import Path
 FILE_MODE, DIR_MODE = 0o644, 0o755
 
 
-def write_atomic(path: str | Path, data: bytes | str) -> Path:
-    """Write `data` (str: UTF-8) to `path`, creating its directory: a temporary file beside it, renamed over it."""
+def write_atomic(path: str | Path, data: bytes | str, mode: int = FILE_MODE) -> Path:
+    """Write `data` (str: UTF-8) to `path`, creating its directory: a temporary file beside it, renamed over it.
+    mode: 0600 for what only its writer may read (users' traffic)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(tmp, FILE_MODE)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

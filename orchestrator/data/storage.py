@@ -66,7 +66,7 @@ class LocalStorage:
         return safe_path(self.root, name).read_bytes()
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        write_atomic(safe_path(self.root, name), data)
+        write_atomic(safe_path(self.root, name), data, mode=0o600)  # shards may hold users' traffic: the writer's only
 
     def uri(self, name: str = "") -> str:
         return str(self.root / name)

@@ -86,3 +86,15 @@ def test_download_prefix_copies_nested_objects_and_skips_folder_markers(s3, tmp_
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == ["config.json", "sub/w.bin"]
     upload_dir(dest, str(tmp_path / "copy"))  # local to local keeps the layout
     assert (tmp_path / "copy" / "sub" / "w.bin").read_bytes() == b"payload"
+
+
+def test_local_storage_writes_what_only_its_writer_may_read(tmp_path):
+    """Shards may hold users' prompts and answers (the traffic tap): 0600, whole, nothing left beside them."""
+    import stat
+
+    store = LocalStorage(tmp_path / "traffic")
+    store.write_bytes("w1/shard-0.safetensors", b"x" * 10)
+    path = tmp_path / "traffic" / "w1" / "shard-0.safetensors"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert store.read_bytes("w1/shard-0.safetensors") == b"x" * 10
+    assert [p.name for p in path.parent.iterdir()] == ["shard-0.safetensors"]
