@@ -108,6 +108,30 @@ def ray_train_checkpointed(storage_path: str, filesystem, name: str) -> bool:
         return False
 
 
+# What a rerun that goes on from a checkpoint may change: its budget, where it reports and how its workers are placed.
+RESUMABLE = ("max_steps", "max_time_minutes", "ray_address", "output", "max_failures", "log_every_steps", "eval_")
+RESUMABLE += ("checkpoint.", "mlflow.", "worker.", "online.prefetch_shards")
+
+
+def run_params(cfg: TrainConfig, config: DrafterConfig, manifest_sha: str, cover: float) -> dict[str, str]:
+    """A training's MLflow params: its config flattened (secrets redacted) and what it resolved to, as strings."""
+    params = redact(cfg.model_dump(mode="json"))
+    params.update({"variant": config.variant, "data.manifest_sha256": manifest_sha, "draft_vocab.coverage": cover})
+    params["draft_vocab.size"] = config.draft_vocab_size
+    return {k: str(v) for k, v in params.items()}
+
+
+def changed_on_resume(logged: dict[str, str], params: dict[str, str]) -> list[str]:
+    """The settings that decide what is trained (learning rate, data, drafter, batch...) in which a rerun differs
+    from the MLflow run it would go on in, as "key=logged (now new)". Keys one side lacks (a setting added since)
+    are not compared. A resumed run trained on with the new settings under the old run's params."""
+    return [
+        f"{k}={logged[k]} (now {params[k]})"
+        for k in sorted(logged.keys() & params.keys())
+        if not k.startswith(RESUMABLE) and logged[k] != params[k]
+    ]
+
+
 def plan_online(cfg: TrainConfig, model_dir: Path) -> dict:
     """`data: online`: the collection's plan (conversations rendered and cut into shards, nothing captured), its
     manifest and that manifest's sha256 (the data's identity in MLflow)."""
@@ -230,13 +254,18 @@ def run_training(cfg: TrainConfig) -> dict:
     storage_path, filesystem = _storage_path(cfg.checkpoint.storage_path)
     checkpointed = ray_train_checkpointed(storage_path, filesystem, cfg.name)
     run_id, resumed = resume_or_start_run(mlflow, cfg.mlflow.experiment, cfg.name, resume=checkpointed)
+    params = run_params(cfg, config, manifest_sha, cover)
+    if resumed and (changed := changed_on_resume(mlflow.get_run(run_id).data.params, params)):
+        mlflow.set_terminated(run_id, status="FAILED")  # as it was: unfinished, resumable with its own settings
+        raise AerieError(
+            f"training {cfg.name} goes on from its checkpoint under {storage_path}, which was started with other "
+            f"settings: {'; '.join(changed)}. Rerun with those, or give this run another name (or remove "
+            f"{storage_path}/{cfg.name}) to start over"
+        )
     if not resumed:
-        params = redact(cfg.model_dump(mode="json"))
-        params.update({"variant": config.variant, "data.manifest_sha256": manifest_sha, "draft_vocab.coverage": cover})
-        params["draft_vocab.size"] = config.draft_vocab_size
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)) for k, v in params.items()]
+        items = [Param(k, v) for k, v in params.items()]
         for start in range(0, len(items), 100):
             mlflow.log_batch(run_id, params=items[start : start + 100])
         mlflow.set_tag(run_id, "target", model_dir.name)

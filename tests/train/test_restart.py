@@ -48,3 +48,33 @@ def test_a_training_that_starts_over_never_reuses_the_unfinished_run(mlflow_clie
     mlflow_client.set_terminated(fresh, status="FINISHED")
     _, resumed = resume_or_start_run(mlflow_client, "drafters", "t", resume=True)
     assert not resumed, "a finished run is never resumed"
+
+
+def test_a_resume_with_other_training_settings_is_named_and_a_new_budget_is_not(mlflow_client):
+    from mlflow.entities import Param
+
+    from orchestrator.models.drafter import DrafterConfig
+    from orchestrator.train.config import TrainConfig
+    from orchestrator.train.run import changed_on_resume, run_params
+
+    hf = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+    hf |= {"vocab_size": 512, "num_hidden_layers": 4, "rms_norm_eps": 1e-5, "rope_theta": 1e4}
+    hf |= {"max_position_embeddings": 256}
+    drafter = DrafterConfig.for_target(hf, (1, 2, 3), 128, "eagle3.1")
+    base = {"name": "t", "model": "m", "data": "d", "output": "o", "drafter": {"variant": "eagle3.1"}}
+    first = TrainConfig.model_validate(base | {"max_time_minutes": 55, "optim": {"lr": 5e-4}})
+    run_id, _ = resume_or_start_run(mlflow_client, "drafters", "t")
+    params = run_params(first, drafter, "abc", 0.98)
+    mlflow_client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+    logged = mlflow_client.get_run(run_id).data.params  # as MLflow gives them back
+
+    assert changed_on_resume(logged, run_params(first, drafter, "abc", 0.98)) == []
+    longer = first.model_copy(update={"max_time_minutes": 75.0, "log_every_steps": 5})
+    assert changed_on_resume(logged, run_params(longer, drafter, "abc", 0.98)) == [], "a budget may change"
+    lr = TrainConfig.model_validate(base | {"max_time_minutes": 55, "optim": {"lr": 3e-4}})
+    assert changed_on_resume(logged, run_params(lr, drafter, "abc", 0.98)) == ["optim.lr=0.0005 (now 0.0003)"]
+    assert changed_on_resume(logged, run_params(first, drafter, "other", 0.98)) == [
+        "data.manifest_sha256=abc (now other)"
+    ]
+    older = {k: v for k, v in logged.items() if k != "optim.lr"}  # a run logged before a setting existed
+    assert changed_on_resume(older, run_params(lr, drafter, "abc", 0.98)) == []
