@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.conftest import RESOURCES
-from tests.helpers import committed_checkpoint, tiny_training
+from tests.helpers import committed_checkpoint, tiny_training, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -99,10 +98,12 @@ def test_a_training_node_killed_and_the_run_resumed(netcluster, root):
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 600
-    while not committed_checkpoint(storage):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
+
+    def checkpointed() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        return committed_checkpoint(storage)
+
+    wait_for(checkpointed, 600, "a committed checkpoint")
     netcluster.kill("draft")
     netcluster.add_node("draft", RESOURCES["draft"])
     assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]

@@ -13,7 +13,7 @@ import torch
 from orchestrator.data.shards import read_shard
 from orchestrator.data.storage import LocalStorage
 from orchestrator.data.traffic import TapConfig, TrafficTap, delete_traffic, traffic_shards
-from tests.helpers import captured_request, wait_written, write_traffic
+from tests.helpers import captured_request, wait_for, wait_written, write_traffic
 
 META = {"name": "tiny", "hidden_size": 4, "aux_layer_ids": [0, 1, 2]}
 
@@ -259,9 +259,7 @@ def test_a_writer_with_no_traffic_still_deletes_what_aged_out_even_after_a_resta
     time.sleep(0.2)
     assert len(traffic_shards(storage)) == 1  # still fresh: nothing deleted, nothing rewritten wrongly
     clock.t += 2 * 3600
-    deadline = time.monotonic() + 10
-    while traffic_shards(storage) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: not traffic_shards(storage), 10, "the expired shard deleted", 0.02)
     tap.close()
     assert traffic_shards(storage) == []
     assert not [n for n in storage.names() if n.endswith(".safetensors")]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import API_KEY, AUTH, QUESTIONS
+from tests.helpers import API_KEY, AUTH, QUESTIONS, wait_for
 from tests.serving.conftest import app_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -392,18 +392,17 @@ def test_an_actor_still_constructing_is_placed_and_one_without_resources_is_not(
 
     slow, huge = Slow.remote(), Huge.remote()
     try:
-        deadline = time.monotonic() + 60
-        table = {}
-        while time.monotonic() < deadline and not table.get(slow._actor_id.hex(), {}).get("Pid"):
-            time.sleep(0.2)
+
+        def started():
             table = ray._private.state.state.actor_table(None)
+            return table.get(slow._actor_id.hex(), {}).get("Pid") and table
+
+        table = wait_for(started, 60, "the slow actor's process", 0.2)
         assert table[slow._actor_id.hex()]["State"] == "PENDING_CREATION"  # still in its constructor
         waiting = pending()
         assert slow._actor_id.hex() not in waiting and waiting[huge._actor_id.hex()] == "Huge"
-        deadline = time.monotonic() + 30  # raylets report their demand every few seconds
-        while {"CPU": 1000.0} not in demand_beyond_free() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert {"CPU": 1000.0} in demand_beyond_free()
+        # raylets report their demand every few seconds
+        wait_for(lambda: {"CPU": 1000.0} in demand_beyond_free(), 30, "the huge actor's demand reported")
     finally:
         ray.kill(slow)
         ray.kill(huge)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, AUTH, QUESTIONS
+from tests.helpers import API_KEY, AUTH, QUESTIONS, wait_for
 from tests.serving.conftest import app_args
 from tests.serving.test_rollout import StreamingLoad, deploy_cfg, serve_config
 
@@ -76,10 +76,8 @@ def test_greedy_text_with_the_drafter_equals_the_text_without(vllm_apps):
     before = vllm_counters("vl-1")
     for q in QUESTIONS[:4]:
         assert _greedy(vllm_apps["spec"], q) == vllm_apps["plain"][q]
-    deadline = time.monotonic() + 30  # Ray exports the engine's counters every second
-    while vllm_counters("vl-1").drafts <= before.drafts and time.monotonic() < deadline:
-        time.sleep(1)
-    assert vllm_counters("vl-1").drafts > before.drafts  # it did speculate
+    # it did speculate (Ray exports the engine's counters every second)
+    wait_for(lambda: vllm_counters("vl-1").drafts > before.drafts, 30, "vl-1 counted drafts", 1)
 
 
 def test_sampling_with_the_drafter_uses_the_requests_temperature(vllm_apps):
@@ -251,11 +249,9 @@ def test_a_rollout_reads_the_vllm_backends_acceptance_from_vllms_metrics(vllm_ap
     assert running_import_path("vl-1") == VLLM_APP
     before = vllm_counters("vl-1")
     _greedy(vllm_apps["spec"], QUESTIONS[1])
-    deadline = time.monotonic() + 60
-    while (now := vllm_counters("vl-1")).drafts == before.drafts and time.monotonic() < deadline:
-        time.sleep(1)  # Ray exports the engine's metrics every second (metrics_report_interval_ms)
+    # Ray exports the engine's metrics every second (metrics_report_interval_ms)
+    now = wait_for(lambda: (c := vllm_counters("vl-1")).drafts > before.drafts and c, 60, "vl-1 counted drafts", 1)
     grown = now - before
-    assert grown.drafts > 0, "no drafts counted for vl-1 after a request"
     assert grown.draft_tokens == 3 * grown.drafts and 0 <= grown.accepted <= grown.draft_tokens
     assert vllm_counters("vl-nothing").drafts == 0  # another app's engines are not counted
 

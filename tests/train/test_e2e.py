@@ -12,13 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.cli import main
-from tests.helpers import committed_checkpoint, tiny_training
+from tests.helpers import committed_checkpoint, tiny_training, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[2]
@@ -96,11 +95,12 @@ def trained(root) -> dict:
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 600
-    while not committed_checkpoint(root / "ckpt"):
+
+    def checkpointed() -> bool:
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-        time.sleep(0.2)
+        return committed_checkpoint(root / "ckpt")
+
+    wait_for(checkpointed, 600, "a committed checkpoint", 0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert _stage(root, "collect")["status"] == "done" and _stage(root, "train-eagle3.1")["status"] == "running"
