@@ -109,8 +109,10 @@ def ray_train_checkpointed(storage_path: str, filesystem, name: str) -> bool:
 
 
 # What a rerun that goes on from a checkpoint may change: its budget, where it reports and how its workers are placed.
-RESUMABLE = ("max_steps", "max_time_minutes", "ray_address", "output", "max_failures", "log_every_steps", "eval_")
-RESUMABLE += ("checkpoint.", "mlflow.", "worker.", "online.prefetch_shards")
+RESUMABLE = (
+    *("max_steps", "max_time_minutes", "ray_address", "output", "max_failures", "log_every_steps", "eval_"),
+    *("checkpoint.", "mlflow.", "worker.", "online.prefetch_shards"),
+)
 
 
 def run_params(cfg: TrainConfig, config: DrafterConfig, manifest_sha: str, cover: float) -> dict[str, str]:
@@ -130,6 +132,18 @@ def changed_on_resume(logged: dict[str, str], params: dict[str, str]) -> list[st
         for k in sorted(logged.keys() & params.keys())
         if not k.startswith(RESUMABLE) and logged[k] != params[k]
     ]
+
+
+def refuse_changed_resume(mlflow_client, run_id: str, params: dict[str, str], checkpoints: str) -> None:
+    """Raise (one line) where a rerun going on in MLflow run `run_id` from `checkpoints` changed what is trained;
+    the run is left unfinished (FAILED), to be resumed with its own settings."""
+    if changed := changed_on_resume(mlflow_client.get_run(run_id).data.params, params):
+        mlflow_client.set_terminated(run_id, status="FAILED")
+        raise AerieError(
+            f"training {checkpoints} goes on from its checkpoint, which was started with other settings: "
+            f"{'; '.join(changed)}. Rerun with those, or remove {checkpoints} (its progress is lost) or give this "
+            "run another name to start over"
+        )
 
 
 def plan_online(cfg: TrainConfig, model_dir: Path) -> dict:
@@ -255,14 +269,9 @@ def run_training(cfg: TrainConfig) -> dict:
     checkpointed = ray_train_checkpointed(storage_path, filesystem, cfg.name)
     run_id, resumed = resume_or_start_run(mlflow, cfg.mlflow.experiment, cfg.name, resume=checkpointed)
     params = run_params(cfg, config, manifest_sha, cover)
-    if resumed and (changed := changed_on_resume(mlflow.get_run(run_id).data.params, params)):
-        mlflow.set_terminated(run_id, status="FAILED")  # as it was: unfinished, resumable with its own settings
-        raise AerieError(
-            f"training {cfg.name} goes on from its checkpoint under {storage_path}, which was started with other "
-            f"settings: {'; '.join(changed)}. Rerun with those, or give this run another name (or remove "
-            f"{storage_path}/{cfg.name}) to start over"
-        )
-    if not resumed:
+    if resumed:
+        refuse_changed_resume(mlflow, run_id, params, f"{storage_path}/{cfg.name}")
+    else:
         from mlflow.entities import Param
 
         items = [Param(k, v) for k, v in params.items()]

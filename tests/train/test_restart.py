@@ -53,9 +53,10 @@ def test_a_training_that_starts_over_never_reuses_the_unfinished_run(mlflow_clie
 def test_a_resume_with_other_training_settings_is_named_and_a_new_budget_is_not(mlflow_client):
     from mlflow.entities import Param
 
+    from orchestrator.errors import AerieError
     from orchestrator.models.drafter import DrafterConfig
     from orchestrator.train.config import TrainConfig
-    from orchestrator.train.run import changed_on_resume, run_params
+    from orchestrator.train.run import changed_on_resume, refuse_changed_resume, run_params
 
     hf = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
     hf |= {"vocab_size": 512, "num_hidden_layers": 4, "rms_norm_eps": 1e-5, "rope_theta": 1e4}
@@ -78,3 +79,9 @@ def test_a_resume_with_other_training_settings_is_named_and_a_new_budget_is_not(
     ]
     older = {k: v for k, v in logged.items() if k != "optim.lr"}  # a run logged before a setting existed
     assert changed_on_resume(older, run_params(lr, drafter, "abc", 0.98)) == []
+
+    refuse_changed_resume(mlflow_client, run_id, run_params(longer, drafter, "abc", 0.98), "runs/train/t")
+    with pytest.raises(AerieError, match=r"^training runs/train/t goes on .* optim.lr=0.0005 \(now 0.0003\)\. Rerun"):
+        refuse_changed_resume(mlflow_client, run_id, run_params(lr, drafter, "abc", 0.98), "runs/train/t")
+    assert mlflow_client.get_run(run_id).info.status == "FAILED"
+    assert resume_or_start_run(mlflow_client, "drafters", "t", resume=True) == (run_id, True), "still resumable"
