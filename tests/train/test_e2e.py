@@ -104,6 +104,11 @@ def trained(root) -> dict:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert _stage(root, "collect")["status"] == "done" and _stage(root, "train-eagle3.1")["status"] == "running"
+    # the training run by hand, going on from that checkpoint at another learning rate: refused in one line
+    (name,) = [p.name for p in (root / "ckpt").iterdir() if p.name.startswith("tiny-pipeline-eagle3.1-")]
+    changed = _job("train_drafter", root / "train.yaml", f"name={name}", "optim.lr=5e-4")
+    assert changed.returncode != 0 and "Traceback" not in changed.stderr, changed.stderr[-3000:]
+    assert "started with other settings: optim.lr=0.001 (now 0.0005). Rerun" in changed.stderr.strip().splitlines()[-1]
     resumed = _job("pipeline", root / "pipeline.yaml")
     _ok(resumed)
     assert "collect: skipped" in resumed.stdout and _ran(resumed.stdout, "train-eagle3.1")
